@@ -1,0 +1,152 @@
+"""``VisionEncoder``: checkpoint or preset in, per-image LLM features out.
+
+``encode(items)`` plays the role of sglang's Kimi-K3 ``get_image_feature`` on
+the owner rank: it refuses aggregated items, materializes each item's pixels
+with its own backend, checks grids and lengths, and runs the tower and the
+projector over all items in one varlen batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from . import preprocess as pp
+from .config import PRESETS, PreprocessConfig, VisionConfig, resolve_configs
+from .items import MSG_LENGTH, MSG_ONE_GRID, EncoderItem, plan_image, resolve_backend
+from .weights import load_model, random_model
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device {str(device)!r} requested but CUDA is not available on this machine; "
+            "use device 'cpu' or 'auto'."
+        )
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"Unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}.")
+    return DTYPES[dtype]
+
+
+class VisionEncoder:
+    """Tower + projector on one device, with the checkpoint's preprocessing."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        vision: VisionConfig,
+        preprocess: PreprocessConfig,
+        *,
+        name: str,
+        backend: str = "auto",
+    ):
+        self.model = model
+        self.vision = vision
+        self.preprocess = preprocess
+        self.name = name
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.backend = resolve_backend(backend, self.device)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        checkpoint: str | Path = "tiny",
+        *,
+        device: str | torch.device | None = "auto",
+        dtype: str | torch.dtype = "float32",
+        backend: str = "auto",
+        seed: int = 0,
+    ) -> VisionEncoder:
+        """Load a checkpoint directory, or build a preset with seeded random weights."""
+        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        resolve_backend(backend, dev)  # fail fast on a bad backend, before loading weights
+        vision, preprocess, name = resolve_configs(checkpoint)
+        if str(checkpoint) in PRESETS:
+            log.warning(
+                "Preset %r uses seeded random weights (seed %d): its features are meaningless; "
+                "pass a checkpoint directory for real ones.", str(checkpoint), seed,
+            )
+            model = random_model(vision, seed, dev, dt)
+        else:
+            model = load_model(checkpoint, vision, dev, dt)
+        return cls(model, vision, preprocess, name=name, backend=backend)
+
+    def plan(self, data: bytes, backend: str | None = None, **limits) -> EncoderItem:
+        """Admit one encoded image (header only) with this encoder's preprocessing."""
+        chosen = self.backend if backend is None else resolve_backend(backend, self.device)
+        return plan_image(data, self.preprocess, chosen, **limits)
+
+    def materialize(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
+        """Pixel values ``(t*h*w, 3, p, p)`` of each item on the device, checked."""
+        patch = self.vision.patch_size
+        out: list[torch.Tensor] = []
+        for item in items:
+            if item.pixel_values is not None:
+                pixels = item.pixel_values.to(self.device, torch.float32)
+                if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, patch, patch):
+                    raise ValueError(
+                        f"pixel_values must have shape (rows, 3, {patch}, {patch}), got "
+                        f"{tuple(pixels.shape)}."
+                    )
+            else:
+                if item.deferred is None or item.image is None:
+                    raise ValueError("an image item needs encoded image bytes and its deferred "
+                                     "preprocessing record; build it with plan_image().")
+                backend = item.deferred.backend
+                pixels, grid = pp.preprocess(item.image, item.deferred, patch, self.device)
+                if grid != item.grid:
+                    raise ValueError(
+                        f"Kimi-K3 deferred {backend.upper()} preprocessing produced wrong grids: "
+                        f"{list(grid)} != admitted {list(item.grid)}"
+                    )
+            if pixels.shape[0] != item.num_patches:
+                raise ValueError(f"{MSG_LENGTH}: {pixels.shape[0]} != {item.num_patches}")
+            out.append(pixels)
+        return out
+
+    @torch.inference_mode()
+    def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
+        """One ``(gh*gw/4, text_hidden)`` tensor per item, in input order (model dtype)."""
+        if not items:
+            return []
+        for item in items:
+            if item.grid_thws.ndim != 2 or item.grid_thws.shape[0] != 1:
+                raise ValueError(MSG_ONE_GRID)
+        pixels = self.materialize(items)
+        grids = [item.grid for item in items]
+        features = self.model(torch.cat(pixels), grids)
+        counts = [item.num_tokens(self.vision.merge_kernel_size[0]) for item in items]
+        assert features.shape[0] == sum(counts), (tuple(features.shape), counts)
+        return list(features.split(counts))
+
+    def info(self) -> dict:
+        v = self.vision
+        return {
+            "model": self.name,
+            "variant": v.variant,
+            "hidden_size": v.hidden_size,
+            "num_layers": v.num_layers,
+            "text_hidden_size": v.text_hidden_size,
+            "patch_size": v.patch_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "backend": self.backend,
+            "parameters": sum(p.numel() for p in self.model.parameters()),
+        }

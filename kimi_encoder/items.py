@@ -1,0 +1,282 @@
+"""Encoder items and admission: modality check, splitting, header-only grids.
+
+An item is one image with exactly one grid row ``(1, gh, gw)``. Admission runs
+where requests arrive (cheap: it reads image headers, never pixels); the
+expensive preprocessing is deferred to the rank that owns the item.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import torch
+from PIL import Image
+
+from .config import PreprocessConfig
+
+BACKENDS = ("gpu", "cpu")
+
+MSG_IMAGE_ONLY = "Kimi-K3 encoder mode supports image input only"
+MSG_ONE_GRID = (
+    "Kimi-K3 expects one vision grid per MultimodalDataItem; "
+    "split aggregated encoder inputs before get_image_feature()"
+)
+MSG_LENGTH = "Kimi-K3 deferred feature length does not match image grids"
+
+
+class EncoderInputError(ValueError):
+    """A request's content is invalid (HTTP 400). ``item`` is the offending index."""
+
+    def __init__(self, message: str, item: int | None = None):
+        super().__init__(message if item is None else f"item {item}: {message}")
+        self.item = item
+
+
+class LimitExceededError(EncoderInputError):
+    """A request is over a configured limit (HTTP 413)."""
+
+
+class Modality(str, Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+def unsupported_backend(backend: Any) -> ValueError:
+    return ValueError(
+        f"Unsupported Kimi-K3 deferred preprocessing backend: {backend}; "
+        f"allowed: {', '.join(BACKENDS)} ('auto' only in configuration)."
+    )
+
+
+def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
+    """Configuration-level backend: 'auto' picks 'gpu' on a CUDA device, else 'cpu'."""
+    if backend == "auto":
+        on_cuda = torch.device(device).type == "cuda" if device is not None else (
+            torch.cuda.is_available()
+        )
+        return "gpu" if on_cuda else "cpu"
+    if backend not in BACKENDS:
+        raise unsupported_backend(backend)
+    return backend
+
+
+@dataclass(frozen=True)
+class ResizeConfig:
+    new_width: int
+    new_height: int
+    pad_width: int
+    pad_height: int
+    num_tokens: int
+
+    def grid_thw(self, patch_size: int) -> tuple[int, int, int]:
+        return (
+            1,
+            (self.new_height + self.pad_height) // patch_size,
+            (self.new_width + self.pad_width) // patch_size,
+        )
+
+
+def navit_resize(width: int, height: int, cfg: PreprocessConfig) -> ResizeConfig:
+    """Target size, padding and token count from the original size alone.
+
+    Only ever downscales: the scale is capped by the patch budget
+    (``in_patch_limit``, checked before padding) and the per-side limit.
+
+    >>> navit_resize(1920, 1080, PreprocessConfig()).grid_thw(14)
+    (1, 78, 138)
+    """
+    p, side = cfg.patch_size, cfg.patch_limit_on_one_side
+    scale = min(
+        1.0,
+        math.sqrt(cfg.in_patch_limit / (max(1.0, width // p) * max(1.0, height // p))),
+        side * p / width,
+        side * p / height,
+    )
+    new_w = min(max(1, int(width * scale)), side * p)
+    new_h = min(max(1, int(height * scale)), side * p)
+    factor = cfg.merge_kernel_size * p
+    pad_w = (factor - new_w % factor) % factor
+    pad_h = (factor - new_h % factor) % factor
+    tokens = ((new_h + pad_h) // factor) * ((new_w + pad_w) // factor)
+    if cfg.fixed_output_tokens is not None:
+        tokens = cfg.fixed_output_tokens
+    return ResizeConfig(new_w, new_h, pad_w, pad_h, tokens)
+
+
+@dataclass(frozen=True)
+class DeferredPreprocessing:
+    """What the owner rank needs to finish one image."""
+
+    backend: str
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    transparent_bg_config: dict | None
+    resize_config: ResizeConfig
+    fill_stage: str = "after_resize"
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise unsupported_backend(self.backend)
+
+
+@dataclass
+class EncoderItem:
+    """One unit of encoder work.
+
+    Either a raw image (``image`` holds the encoded file bytes and ``deferred``
+    says how to preprocess it) or preprocessed ``pixel_values`` of shape
+    ``(sum t*h*w, 3, p, p)``. ``grid_thws`` has one row per image; the encoder
+    only accepts items with exactly one row.
+    """
+
+    grid_thws: torch.Tensor  # (k, 3) int64
+    image: bytes | None = None
+    pixel_values: torch.Tensor | None = None
+    deferred: DeferredPreprocessing | None = None
+    modality: Modality = Modality.IMAGE
+    original_size: tuple[int, int] | None = None  # (width, height)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        if self.grid_thws.shape[0] != 1:
+            raise ValueError(MSG_ONE_GRID)
+        t, h, w = (int(v) for v in self.grid_thws[0].tolist())
+        return t, h, w
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.grid_thws.prod(dim=1).sum())
+
+    def num_tokens(self, merge_kernel_size: int) -> int:
+        t, h, w = self.grid
+        return (h // merge_kernel_size) * (w // merge_kernel_size)
+
+
+def check_modality(modality: str | Modality, index: int | None = None) -> Modality:
+    """Admission's modality gate: anything but an image is refused."""
+    value = modality.value if isinstance(modality, Modality) else str(modality)
+    if value != Modality.IMAGE.value:
+        raise EncoderInputError(
+            f"{MSG_IMAGE_ONLY}; got modality {value!r}. Send each image as an item of "
+            "type 'image' and encode other media elsewhere.",
+            index,
+        )
+    return Modality.IMAGE
+
+
+def read_image_size(data: bytes, max_pixels: int | None = None, index: int | None = None):
+    """(width, height, format) from the file header; pixels are not decoded."""
+    if not data:
+        raise EncoderInputError("image data is empty (0 bytes); send a PNG/JPEG/WebP file.", index)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                width, height, fmt = img.size[0], img.size[1], img.format
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise LimitExceededError(
+            f"image header claims a decompression bomb ({exc}); send a smaller image.", index
+        ) from None
+    except Exception as exc:  # PIL raises many types for undecodable data
+        raise EncoderInputError(
+            f"cannot read the image header ({type(exc).__name__}: {exc}); send a valid "
+            "PNG, JPEG, WebP, GIF, BMP or TIFF file.",
+            index,
+        ) from None
+    if width < 1 or height < 1:
+        raise EncoderInputError(f"image has an empty size {width}x{height}.", index)
+    if max_pixels is not None and width * height > max_pixels:
+        raise LimitExceededError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit "
+            f"max_image_pixels={max_pixels}; downscale it before sending.",
+            index,
+        )
+    return width, height, fmt
+
+
+def plan_image(
+    data: bytes,
+    cfg: PreprocessConfig,
+    backend: str,
+    *,
+    max_pixels: int | None = None,
+    index: int | None = None,
+) -> EncoderItem:
+    """Admit one encoded image: read its size, compute its grid, defer the rest."""
+    width, height, _ = read_image_size(data, max_pixels, index)
+    resize = navit_resize(width, height, cfg)
+    deferred = DeferredPreprocessing(
+        backend=backend,
+        image_mean=cfg.image_mean,
+        image_std=cfg.image_std,
+        transparent_bg_config=cfg.transparent_bg_config,
+        resize_config=resize,
+        fill_stage=cfg.transparent_bg_fill_stage,
+    )
+    grid = torch.tensor([resize.grid_thw(cfg.patch_size)], dtype=torch.int64)
+    return EncoderItem(grid, image=data, deferred=deferred, original_size=(width, height))
+
+
+def check_grid_rows(grid_thws: Any, patch_size: int, merge: int, index: int | None = None):
+    """Validate a client-supplied (k, 3) grid table of images."""
+    grids = torch.as_tensor(grid_thws)
+    if grids.ndim != 2 or grids.shape[1] != 3 or grids.shape[0] < 1:
+        raise EncoderInputError(
+            f"grid_thws must be a non-empty list of [t, h, w] rows, got shape "
+            f"{tuple(grids.shape)}.",
+            index,
+        )
+    if grids.dtype.is_floating_point or grids.dtype == torch.bool:
+        raise EncoderInputError("grid_thws must hold integers.", index)
+    grids = grids.to(torch.int64)
+    for t, h, w in grids.tolist():
+        if t != 1:
+            raise EncoderInputError(
+                f"grid row [{t}, {h}, {w}] has t={t}; images have t=1 (video is not served).",
+                index,
+            )
+        if h < merge or w < merge or h % merge or w % merge:
+            raise EncoderInputError(
+                f"grid row [{t}, {h}, {w}] must have h and w as positive multiples of the "
+                f"merge kernel {merge}.",
+                index,
+            )
+    return grids
+
+
+def split_pixel_values(
+    pixel_values: torch.Tensor, grid_thws: torch.Tensor, index: int | None = None
+) -> list[EncoderItem]:
+    """Split an aggregated item (k grids, rows concatenated) into k items.
+
+    Rows are split by each grid's ``t*h*w``; a row count that does not match
+    the grids raises the feature-length error.
+    """
+    sizes = grid_thws.prod(dim=1).tolist()
+    if pixel_values.shape[0] != sum(sizes):
+        raise EncoderInputError(
+            f"{MSG_LENGTH}: pixel_values has {pixel_values.shape[0]} rows but the grids "
+            f"{grid_thws.tolist()} need {sum(sizes)}; send one row per patch.",
+            index,
+        )
+    return [
+        EncoderItem(grid_thws[i : i + 1].clone(), pixel_values=rows)
+        for i, rows in enumerate(pixel_values.split(sizes))
+    ]
+
+
+def split_item(item: EncoderItem, index: int | None = None) -> list[EncoderItem]:
+    """One item per image. Raw-image items already carry one grid."""
+    check_modality(item.modality, index)
+    if item.pixel_values is not None:
+        return split_pixel_values(item.pixel_values, item.grid_thws, index)
+    if item.grid_thws.shape[0] != 1:
+        raise EncoderInputError(MSG_ONE_GRID, index)
+    return [item]

@@ -1,0 +1,137 @@
+"""Owner-side pixel pipeline: decode, resize, background fill, pad, normalize, patchify.
+
+The ``cpu`` backend runs the checkpoint processor's steps with PIL, quirks
+included (resize in the image's own mode, convert after the resize). The
+``gpu`` backend runs the same steps as torch ops on the caller's device with
+a bit-exact port of Pillow's resampler (``pil_ops``); only the file decode
+stays on the host.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from . import pil_ops
+from .items import DeferredPreprocessing, EncoderInputError, unsupported_backend
+
+Materialized = tuple[torch.Tensor, tuple[int, int, int]]
+
+
+def decode(data: bytes) -> Image.Image:
+    """Decode as is: no EXIF transpose, no mode conversion. Multi-frame files give frame 0."""
+    try:
+        img = Image.open(io.BytesIO(data))
+        img.load()
+    except Exception as exc:
+        raise EncoderInputError(
+            f"cannot decode the image ({type(exc).__name__}: {exc}); send a complete, valid file."
+        ) from None
+    return img
+
+
+def _has_alpha(img: Image.Image) -> bool:
+    return "A" in img.getbands() or "transparency" in img.info
+
+
+def _background(height: int, width: int, bg: dict) -> np.ndarray:
+    pattern = bg.get("pattern", "black")
+    if pattern == "chessboard":
+        s = int(bg.get("chessboard_square_size", 16))
+        white = float(bg.get("chessboard_white_value", 255))
+        gray = float(bg.get("chessboard_gray_value", 200))
+        gray_parity = 1 if bg.get("chessboard_square_on_top_left", True) else 0
+        parity = (np.arange(height)[:, None] // s + np.arange(width)[None, :] // s) % 2
+        plane = np.where(parity == gray_parity, gray, white).astype(np.float32)
+        return np.repeat(plane[:, :, None], 3, axis=2)
+    level = {"white": 255.0, "gray": 128.0, "black": 0.0}.get(pattern)
+    if level is None:
+        raise ValueError(f"Invalid background pattern: {pattern}")
+    return np.full((height, width, 3), level, dtype=np.float32)
+
+
+def to_rgb_pil(img: Image.Image, bg: dict | None) -> np.ndarray:
+    """(H, W, 3) uint8: RGB passes; alpha is composited on ``bg``; the rest converts."""
+    if img.mode == "RGB":
+        return np.array(img)
+    if bg is None or not _has_alpha(img):
+        return np.array(img.convert("RGB"))
+    rgba = np.asarray(img.convert("RGBA"), dtype=np.float32)
+    alpha = rgba[:, :, 3:4] / np.float32(255.0)
+    out = alpha * rgba[:, :, :3] + (np.float32(1.0) - alpha) * _background(*rgba.shape[:2], bg)
+    return np.clip(out, 0, 255).astype(np.uint8)
+
+
+def normalization_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """(3, 256) float32: the normalized value of each uint8 level per channel.
+
+    Matches ``(x / 255.0).astype(float32)`` minus mean, times ``1/std``; a table
+    makes the cpu and gpu backends agree to the last bit.
+    """
+    levels = (np.arange(256, dtype=np.float64) / 255.0).astype(np.float32)
+    mean32 = np.asarray(mean, dtype=np.float32)[:, None]
+    inv_std32 = (1.0 / np.asarray(std, dtype=np.float64)).astype(np.float32)[:, None]
+    return ((levels[None, :] - mean32) * inv_std32).astype(np.float32)
+
+
+def _patchify(img: torch.Tensor, patch: int) -> torch.Tensor:
+    """(C, H, W) -> (H/p * W/p, C, p, p), patches row-major."""
+    c, h, w = img.shape
+    x = img.view(c, h // patch, patch, w // patch, patch)
+    return x.permute(1, 3, 0, 2, 4).reshape(-1, c, patch, patch)
+
+
+def _finish(rgb: torch.Tensor, cfg: DeferredPreprocessing, patch: int) -> Materialized:
+    """(h, w, 3) uint8 -> padded, normalized patches (float32) and the grid they form."""
+    rc = cfg.resize_config
+    h, w = rgb.shape[:2]
+    if (w, h) != (rc.new_width, rc.new_height):
+        raise AssertionError(f"resized to {w}x{h}, expected {rc.new_width}x{rc.new_height}")
+    table = torch.from_numpy(normalization_table(cfg.image_mean, cfg.image_std)).to(rgb.device)
+    padded = torch.zeros(
+        (3, h + rc.pad_height, w + rc.pad_width), dtype=torch.long, device=rgb.device
+    )
+    padded[:, :h, :w] = rgb.permute(2, 0, 1)
+    values = torch.gather(table, 1, padded.view(3, -1)).view(padded.shape)
+    grid = (1, padded.shape[1] // patch, padded.shape[2] // patch)
+    return _patchify(values, patch), grid
+
+
+def preprocess_cpu(img: Image.Image, cfg: DeferredPreprocessing, patch: int) -> Materialized:
+    rc = cfg.resize_config
+    bg = cfg.transparent_bg_config
+    if cfg.fill_stage == "before_resize":
+        img = Image.fromarray(to_rgb_pil(img, bg))
+    if img.size != (rc.new_width, rc.new_height):
+        img = img.resize((rc.new_width, rc.new_height), Image.BICUBIC)
+    rgb = torch.from_numpy(to_rgb_pil(img, bg))
+    return _finish(rgb, cfg, patch)
+
+
+def preprocess_gpu(
+    img: Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
+) -> Materialized:
+    rc = cfg.resize_config
+    bg = cfg.transparent_bg_config
+    raw = pil_ops.raw_from_pil(img, device=device)
+    if cfg.fill_stage == "before_resize":
+        raw = pil_ops.RawImage(pil_ops.to_rgb(raw, bg), "RGB", None, None)
+    raw = pil_ops.resize_bicubic(raw, (rc.new_width, rc.new_height))
+    return _finish(pil_ops.to_rgb(raw, bg), cfg, patch)
+
+
+def preprocess(
+    image: bytes | Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
+) -> Materialized:
+    """One image -> (``(gh*gw, 3, p, p)`` float32 on ``device``, grid) with the item's backend."""
+    img = decode(image) if isinstance(image, bytes) else image
+    if cfg.backend == "cpu":
+        pixels, grid = preprocess_cpu(img, cfg, patch)
+        return pixels.to(device), grid
+    if cfg.backend == "gpu":
+        return preprocess_gpu(img, cfg, patch, torch.device(device))
+    raise unsupported_backend(cfg.backend)

@@ -1,0 +1,171 @@
+"""Checkpoint loading (vision weights only) and seeded random checkpoints.
+
+Loading is a pure function: checkpoint tensors in, model state dict out.
+Our module names equal the original checkpoint's key names, so the key map
+is the identity on the ``vision_tower.`` and ``mm_projector.`` prefixes.
+Only the shards holding those tensors are opened; the language model is
+never read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import PreprocessConfig, VisionConfig
+from .model import KimiVisionModel, _sincos_table
+
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def vision_shards(root: Path) -> dict[str, list[str]]:
+    """{shard file: [vision keys in it]} from the index, or the single file's keys."""
+    index = root / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no 'weight_map' object.")
+        shards: dict[str, list[str]] = {}
+        for key, shard in weight_map.items():
+            if key.startswith(VISION_PREFIXES):
+                shards.setdefault(shard, []).append(key)
+        return shards
+    single = root / SINGLE_FILE
+    if single.is_file():
+        with safe_open(single, framework="pt") as f:
+            return {SINGLE_FILE: [k for k in f.keys() if k.startswith(VISION_PREFIXES)]}
+    raise CheckpointError(
+        f"No {INDEX_FILE} or {SINGLE_FILE} in {str(root)!r}; expected an original-format "
+        "Kimi checkpoint (safetensors)."
+    )
+
+
+def read_vision_tensors(root: str | Path) -> dict[str, torch.Tensor]:
+    """Every ``vision_tower.*`` / ``mm_projector.*`` tensor, reading only their shards."""
+    root = Path(root)
+    tensors: dict[str, torch.Tensor] = {}
+    for shard, keys in sorted(vision_shards(root).items()):
+        path = root / shard
+        if not path.is_file():
+            raise CheckpointError(f"Shard {shard!r} listed for vision weights is missing in {root}.")
+        with safe_open(path, framework="pt") as f:
+            for key in keys:
+                tensors[key] = f.get_tensor(key)
+    if not tensors:
+        raise CheckpointError(
+            f"No vision_tower.* or mm_projector.* tensors in {str(root)!r}; is this a Kimi "
+            "vision-language checkpoint?"
+        )
+    return tensors
+
+
+def convert_state_dict(
+    checkpoint: dict[str, torch.Tensor], expected: dict[str, torch.Size]
+) -> dict[str, torch.Tensor]:
+    """Check key sets and shapes and return the model state dict.
+
+    Every missing, unexpected or mis-shaped key is named in the error.
+    """
+    missing = sorted(set(expected) - set(checkpoint))
+    unexpected = sorted(set(checkpoint) - set(expected))
+    misshaped = sorted(
+        f"{k}: checkpoint {tuple(checkpoint[k].shape)} vs model {tuple(expected[k])}"
+        for k in set(expected) & set(checkpoint)
+        if tuple(checkpoint[k].shape) != tuple(expected[k])
+    )
+    problems = []
+    if missing:
+        problems.append("missing keys: " + ", ".join(missing))
+    if unexpected:
+        problems.append("unexpected keys: " + ", ".join(unexpected))
+    if misshaped:
+        problems.append("mis-shaped keys: " + "; ".join(misshaped))
+    if problems:
+        raise CheckpointError(
+            "Checkpoint does not match the vision config in config.json ("
+            + " | ".join(problems)
+            + "). Check that config.json belongs to these weights."
+        )
+    return {k: checkpoint[k] for k in expected}
+
+
+def load_model(
+    root: str | Path, cfg: VisionConfig, device: torch.device, dtype: torch.dtype
+) -> KimiVisionModel:
+    with torch.device("meta"):
+        model = KimiVisionModel(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = convert_state_dict(read_vision_tensors(root), expected)
+    model = model.to_empty(device=device)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
+    _reset_buffers(model, cfg, device)
+    return model.to(dtype=dtype).eval()
+
+
+def random_model(cfg: VisionConfig, seed: int, device, dtype: torch.dtype) -> KimiVisionModel:
+    """A model with seeded random weights (deterministic on any machine: drawn on CPU)."""
+    model = KimiVisionModel(cfg)
+    model.load_state_dict(random_state_dict(cfg, seed))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def random_state_dict(cfg: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in KimiVisionModel(cfg).state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, shape in shapes.items():
+        if "norm" in key and key.endswith(".weight"):
+            out[key] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        elif key.endswith(".bias"):
+            out[key] = 0.02 * torch.randn(shape, generator=gen)
+        elif key.endswith("pos_emb.weight"):
+            out[key] = 0.1 * torch.randn(shape, generator=gen)
+        else:
+            fan_in = max(1, int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+            out[key] = torch.randn(shape, generator=gen) / fan_in**0.5
+    return out
+
+
+def _reset_buffers(model: KimiVisionModel, cfg: VisionConfig, device) -> None:
+    """Non-persistent buffers are not in the checkpoint; rebuild them after to_empty."""
+    pos = model.vision_tower.patch_embed.pos_emb
+    pos.time_weight = _sincos_table(cfg.hidden_size, cfg.pos_emb_time).to(device)
+
+
+def write_checkpoint(
+    out_dir: str | Path, vision: VisionConfig, preprocess: PreprocessConfig, seed: int = 0
+) -> Path:
+    """Write a seeded random original-format checkpoint: config.json,
+    preprocessor_config.json and model.safetensors (float32, checkpoint key names)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model_type = "kimi_k3" if vision.variant == "k3" else "kimi_k25"
+    config = {
+        "architectures": [
+            "KimiK3ForConditionalGeneration" if vision.variant == "k3"
+            else "KimiK25ForConditionalGeneration"
+        ],
+        "model_type": model_type,
+        "dtype": "float32",
+        "text_config": {"hidden_size": vision.text_hidden_size},
+        "vision_config": vision.to_checkpoint_config(),
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    media = preprocess.to_media_proc_cfg()
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": media}, indent=2) + "\n"
+    )
+    tensors = {k: v.contiguous() for k, v in random_state_dict(vision, seed).items()}
+    save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt", "seed": str(seed)})
+    return out
