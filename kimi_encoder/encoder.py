@@ -124,14 +124,20 @@ class VisionEncoder:
     @torch.inference_mode()
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
         """One ``(gh*gw/4, text_hidden)`` tensor per item, in input order (model dtype)."""
-        if not items:
-            return []
         for item in items:
             if item.grid_thws.ndim != 2 or item.grid_thws.shape[0] != 1:
                 raise ValueError(MSG_ONE_GRID)
-        pixels = self.materialize(items)
+        return self.forward(self.materialize(items), items)
+
+    @torch.inference_mode()
+    def forward(
+        self, pixels: Sequence[torch.Tensor], items: Sequence[EncoderItem]
+    ) -> list[torch.Tensor]:
+        """Tower and projector over already materialized items, in one varlen batch."""
+        if not items:
+            return []
         grids = [item.grid for item in items]
-        features = self.model(torch.cat(pixels), grids)
+        features = self.model(torch.cat(list(pixels)), grids)
         counts = [item.num_tokens(self.vision.merge_kernel_size[0]) for item in items]
         assert features.shape[0] == sum(counts), (tuple(features.shape), counts)
         return list(features.split(counts))

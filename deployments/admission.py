@@ -1,0 +1,168 @@
+"""Admission at the ingress: decode the request's envelope, gate modality, split, plan, limit.
+
+Pure functions over the library (no ray): everything that can refuse a
+request runs here, so a bad request never reaches a rank. Pixels are never
+decoded here; images are planned from their headers alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kimi_encoder.config import PreprocessConfig, VisionConfig
+from kimi_encoder.items import (
+    BACKENDS,
+    EncoderInputError,
+    EncoderItem,
+    LimitExceededError,
+    check_grid_rows,
+    check_modality,
+    plan_image,
+    split_pixel_values,
+    unsupported_backend,
+)
+
+from .args import AppArgs
+from .schemas import EncodeRequest, ImageItem
+
+
+@dataclass
+class Admitted:
+    """Items ready for dispatch (one grid each) and the request item each came from."""
+
+    items: list[EncoderItem]
+    sources: list[int]
+
+    @property
+    def patches(self) -> int:
+        return sum(item.num_patches for item in self.items)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admission needs: the checkpoint's configs, the default backend and the limits."""
+
+    vision: VisionConfig
+    preprocess: PreprocessConfig
+    args: AppArgs
+
+    def backend(self, requested: str | None) -> str:
+        """The request's backend: its own choice ('gpu'/'cpu') or the configured default."""
+        if requested is None:
+            return self.args.default_backend
+        if requested not in BACKENDS:
+            raise EncoderInputError(str(unsupported_backend(requested)))
+        return requested
+
+    def check_body_size(self, size: int) -> None:
+        if size > self.args.max_request_bytes:
+            raise LimitExceededError(
+                f"request body is {size} bytes, over max_request_bytes="
+                f"{self.args.max_request_bytes}; send fewer or smaller images per request."
+            )
+
+    def admit_json(self, request: EncodeRequest) -> Admitted:
+        """Modality gate, base64 decode, split of aggregated items, header-only planning."""
+        backend = self.backend(request.backend)
+        items: list[EncoderItem] = []
+        sources: list[int] = []
+        for index, entry in enumerate(request.items):
+            check_modality(entry.type, index)
+            assert isinstance(entry, ImageItem), type(entry)
+            if entry.image is not None:
+                new = [self._plan(_decode_image_field(entry.image, index), backend, index)]
+            else:
+                new = self._split(entry, index)
+            items += new
+            sources += [index] * len(new)
+            self._check_count(len(items))
+        return self._checked(Admitted(items, sources))
+
+    def admit_files(self, files: list[bytes], backend: str | None) -> Admitted:
+        """Multipart upload: each file is one image."""
+        chosen = self.backend(backend)
+        self._check_count(len(files))
+        items = [self._plan(data, chosen, index) for index, data in enumerate(files)]
+        return self._checked(Admitted(items, list(range(len(items)))))
+
+    def _plan(self, data: bytes, backend: str, index: int) -> EncoderItem:
+        return plan_image(
+            data, self.preprocess, backend, max_pixels=self.args.max_image_pixels, index=index
+        )
+
+    def _split(self, entry: ImageItem, index: int) -> list[EncoderItem]:
+        assert entry.pixel_values is not None and entry.grid_thws is not None
+        patch, merge = self.vision.patch_size, self.vision.merge_kernel_size[0]
+        pixels = _decode_pixel_values(entry, patch, index)
+        grids = check_grid_rows(entry.grid_thws, patch, merge, index)
+        split = split_pixel_values(pixels, grids, index)
+        for item in split:  # own storage each: a view would ship the whole array to every rank
+            item.pixel_values = item.pixel_values.clone()
+        return split
+
+    def _check_count(self, count: int) -> None:
+        if count > self.args.max_images_per_request:
+            raise LimitExceededError(
+                f"request has more than max_images_per_request="
+                f"{self.args.max_images_per_request} images (after splitting aggregated "
+                "items); split it into several requests."
+            )
+
+    def _checked(self, admitted: Admitted) -> Admitted:
+        if admitted.patches > self.args.max_patches_per_request:
+            raise LimitExceededError(
+                f"request needs {admitted.patches} patches, over max_patches_per_request="
+                f"{self.args.max_patches_per_request}; send fewer or smaller images."
+            )
+        return admitted
+
+
+def _b64(text: str, what: str, index: int) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise EncoderInputError(
+            f"{what} is not valid base64 ({exc}); send standard base64 (A-Z a-z 0-9 + /, "
+            "padded with =) without line breaks.",
+            index,
+        ) from None
+
+
+def _decode_image_field(text: str, index: int) -> bytes:
+    """Bytes of an ``image`` field: plain base64 or ``data:<mime>;base64,<payload>``."""
+    if text.startswith("data:"):
+        header, sep, payload = text.partition(",")
+        if not sep or not header.endswith(";base64"):
+            raise EncoderInputError(
+                f"'image' data URL header {header[:60]!r} is not base64-encoded; use "
+                "'data:image/png;base64,<payload>'.",
+                index,
+            )
+        text = payload
+    return _b64(text, "'image'", index)
+
+
+def _decode_pixel_values(entry: ImageItem, patch: int, index: int) -> torch.Tensor:
+    values = entry.pixel_values
+    assert values is not None
+    shape = list(values.shape)
+    if shape[1:] != [3, patch, patch] or shape[0] < 1:
+        raise EncoderInputError(
+            f"pixel_values.shape is {shape}; expected [rows, 3, {patch}, {patch}] with rows >= 1.",
+            index,
+        )
+    raw = _b64(values.data, "'pixel_values.data'", index)
+    need = int(np.prod(shape)) * 4
+    if len(raw) != need:
+        raise EncoderInputError(
+            f"pixel_values.data has {len(raw)} bytes but shape {shape} of float32 needs {need}; "
+            "send the array's little-endian bytes in C order.",
+            index,
+        )
+    array = np.frombuffer(raw, dtype="<f4").reshape(shape)
+    return torch.from_numpy(array.astype(np.float32))  # writable, native-endian copy

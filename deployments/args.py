@@ -1,0 +1,90 @@
+"""``AppArgs``: the builder arguments of ``build_app`` (the ``args:`` block of a config)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kimi_encoder.items import resolve_backend
+
+
+class RankActorOptions(BaseModel):
+    """Resources of each encoder rank (Ray actor options)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float = Field(0, ge=0, description="GPUs per rank: 1 on a GPU node, 0 on CPU.")
+    # 0 so that the ingress and two ranks fit a 2-core machine; torch still gets one thread.
+    num_cpus: float = Field(
+        0, ge=0, description="Logical CPUs per rank; also its torch thread count (at least 1)."
+    )
+
+
+class AppArgs(BaseModel):
+    """Arguments of the encode server. Validation errors fail the deploy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(
+        "tiny",
+        description="Kimi-K3/K2.5 checkpoint directory (original format), or a preset name "
+        "(tiny, small, k3, k25). Presets get seeded random weights: meaningless features.",
+    )
+    dp_size: int = Field(
+        1, ge=1, description="Number of encoder ranks (vision data parallelism); one per GPU."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Device of each rank; 'auto' means cuda when num_gpus > 0, else cpu."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Weights and compute dtype; features are returned as float32."
+    )
+    preprocess_backend: str = Field(
+        "auto",
+        description="Default pixel pipeline: 'gpu' (torch ops on the rank's device), 'cpu' "
+        "(PIL) or 'auto' (gpu on a cuda rank, else cpu). Requests may override with gpu/cpu.",
+    )
+    rank_actor_options: RankActorOptions = Field(
+        default_factory=RankActorOptions, description="Resources of each encoder rank."
+    )
+    seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
+    max_request_bytes: int = Field(
+        64 << 20, ge=1, description="Largest accepted HTTP body in bytes (413 above)."
+    )
+    max_images_per_request: int = Field(
+        64, ge=1, description="Most images per request, after splitting aggregated items (413)."
+    )
+    max_image_pixels: int = Field(
+        50_000_000, ge=1, description="Most pixels (width*height) of one encoded image (413)."
+    )
+    max_patches_per_request: int = Field(
+        1 << 20, ge=1, description="Most patches (sum of t*h*w over all images) per request (413)."
+    )
+
+    @field_validator("preprocess_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        resolve_backend(value, "cpu")  # raises the library's unsupported-backend error
+        return value
+
+    @model_validator(mode="after")
+    def _cuda_needs_gpus(self) -> AppArgs:
+        if self.device == "cuda" and self.rank_actor_options.num_gpus <= 0:
+            raise ValueError(
+                "device 'cuda' needs rank_actor_options.num_gpus >= 1 (got "
+                f"{self.rank_actor_options.num_gpus}); set num_gpus: 1 or use device 'cpu'."
+            )
+        return self
+
+    @property
+    def rank_device(self) -> str:
+        """The device each rank uses: 'auto' follows the rank's GPU allotment."""
+        if self.device != "auto":
+            return self.device
+        return "cuda" if self.rank_actor_options.num_gpus > 0 else "cpu"
+
+    @property
+    def default_backend(self) -> str:
+        """'gpu' or 'cpu': the backend of requests that do not choose one."""
+        return resolve_backend(self.preprocess_backend, self.rank_device)

@@ -1,0 +1,97 @@
+"""``EncoderRank``: one vision-data-parallel rank holding one ``VisionEncoder``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.items import EncoderInputError, EncoderItem
+
+log = logging.getLogger("ray.serve")
+
+
+class EncoderRank:
+    """Encodes the items this rank owns, in one call, and returns float32 numpy features.
+
+    The rank index is a constructor argument (one deployment per rank), so it is
+    known in every mode, including Serve's local testing mode.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        checkpoint: str,
+        *,
+        device: str,
+        dtype: str,
+        backend: str,
+        seed: int,
+        num_cpus: float,
+    ):
+        self.rank = rank
+        self.num_threads = max(1, int(num_cpus))
+        torch.set_num_threads(self.num_threads)
+        started = time.perf_counter()
+        self.encoder = VisionEncoder.from_pretrained(
+            checkpoint, device=device, dtype=dtype, backend=backend, seed=seed
+        )
+        self.load_s = time.perf_counter() - started
+        self.calls = 0
+        self.items = 0
+        self.patches = 0
+        log.info("rank %d ready: %s on %s in %.1f s", rank, self.encoder.name,
+                 self.encoder.device, self.load_s)
+
+    def encode(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> dict:
+        """Features of ``items`` (one contiguous float32 array each, input order).
+
+        ``indices`` are the request's item indices, used only to name a bad item.
+        """
+        assert len(indices) == len(items), (len(indices), len(items))
+        self.calls += 1
+        self.items += len(items)
+        self.patches += sum(item.num_patches for item in items)
+        started = time.perf_counter()
+        try:
+            features = self.encoder.encode(items)
+        except EncoderInputError as exc:
+            raise EncoderInputError(str(exc), self._culprit(indices, items)) from None
+        arrays = [np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features]
+        return {
+            "rank": self.rank,
+            "features": arrays,
+            "encode_ms": (time.perf_counter() - started) * 1e3,
+        }
+
+    def _culprit(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> int | None:
+        """Request index of the first item whose pixels cannot be materialized (error path only)."""
+        for index, item in zip(indices, items):
+            try:
+                self.encoder.materialize([item])
+            except EncoderInputError:
+                return index
+        return None
+
+    def info(self) -> dict:
+        return {
+            **self.encoder.info(),
+            "rank": self.rank,
+            "state": "ready",
+            "pid": os.getpid(),
+            "num_threads": torch.get_num_threads(),
+            "load_s": round(self.load_s, 3),
+            "calls": self.calls,
+            "items": self.items,
+            "patches": self.patches,
+        }
+
+    def check_health(self) -> None:
+        """Cheap liveness check: the model is loaded."""
+        if self.encoder is None:
+            raise RuntimeError(f"rank {self.rank} has no encoder loaded")

@@ -1,0 +1,168 @@
+"""HTTP request and response models of the encode server (they drive the OpenAPI page)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+ResponseFormat = Literal["json", "safetensors"]
+
+_PNG_1X1 = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
+)
+
+
+class PixelValues(BaseModel):
+    """Preprocessed patches of one or more images, rows concatenated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    data: str = Field(description="Base64 of the little-endian array bytes, C order.")
+    shape: list[int] = Field(
+        min_length=4, max_length=4, description="[rows, 3, patch, patch]; rows = sum of t*h*w."
+    )
+    dtype: Literal["float32"] = Field("float32", description="Element type; only float32.")
+
+
+class ImageItem(BaseModel):
+    """One image: an encoded file, or preprocessed pixel values with their grids."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={"examples": [{"type": "image", "image": _PNG_1X1}]},
+    )
+
+    type: Literal["image"] = Field(description="Modality; only 'image' is served.")
+    image: str | None = Field(
+        None, description="Encoded image file (PNG, JPEG, WebP, ...) as base64 or a data: URL."
+    )
+    pixel_values: PixelValues | None = Field(
+        None, description="Preprocessed patches; an item with k grids is split into k images."
+    )
+    grid_thws: list[list[int]] | None = Field(
+        None, description="One [1, h, w] row per image in pixel_values (patches per side)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ImageItem:
+        if (self.image is None) == (self.pixel_values is None):
+            raise ValueError(
+                "an image item needs exactly one of 'image' (encoded file) or 'pixel_values' "
+                "(with 'grid_thws')."
+            )
+        if (self.pixel_values is None) != (self.grid_thws is None):
+            raise ValueError("'grid_thws' goes with 'pixel_values' and only with it.")
+        return self
+
+
+class OtherItem(BaseModel):
+    """Any other modality (video, audio, ...): accepted by the schema, refused with 400."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(description="Modality name; anything but 'image' is refused.")
+
+
+def _item_kind(value: Any) -> str:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return "image" if kind == "image" else "other"
+
+
+Item = Annotated[
+    Annotated[ImageItem, Tag("image")] | Annotated[OtherItem, Tag("other")],
+    Discriminator(_item_kind),
+]
+
+
+class EncodeRequest(BaseModel):
+    """JSON body of ``POST /v1/encode``."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"items": [{"type": "image", "image": _PNG_1X1}],
+                          "response_format": "json"}]
+        },
+    )
+
+    items: list[Item] = Field(min_length=1, description="Items to encode, answered in order.")
+    response_format: ResponseFormat = Field(
+        "json", description="'json' (base64 float32) or 'safetensors' (binary body)."
+    )
+    backend: str | None = Field(
+        None, description="Preprocessing backend for this request: 'gpu' or 'cpu'."
+    )
+
+
+class ItemFeatures(BaseModel):
+    index: int = Field(description="Position of this image in the request, after splitting.")
+    grid_thw: list[int] = Field(description="[1, h, w] patch grid of the image.")
+    num_tokens: int = Field(description="Feature rows: h*w/4.")
+    owner_rank: int = Field(description="Encoder rank that encoded this image.")
+    shape: list[int] = Field(description="[num_tokens, text_hidden_size].")
+    dtype: Literal["float32"] = Field("float32", description="Element type of 'data'.")
+    data: str = Field(description="Base64 of the little-endian float32 features, C order.")
+
+
+class Usage(BaseModel):
+    images: int = Field(description="Images encoded.")
+    patches: int = Field(description="Sum of t*h*w over the images.")
+    tokens: int = Field(description="Feature rows returned.")
+
+
+class EncodeResponse(BaseModel):
+    """JSON answer of ``POST /v1/encode``."""
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{
+        "model": "preset:tiny",
+        "items": [{"index": 0, "grid_thw": [1, 2, 2], "num_tokens": 1, "owner_rank": 0,
+                   "shape": [1, 80], "dtype": "float32", "data": "AAAAAA..."}],
+        "usage": {"images": 1, "patches": 4, "tokens": 1},
+        "timings_ms": {"admit": 0.4, "encode": 12.1, "total": 13.0, "rank_0": 10.2},
+    }]})
+
+    model: str = Field(description="Checkpoint name, or 'preset:NAME'.")
+    items: list[ItemFeatures] = Field(description="One entry per image, in request order.")
+    usage: Usage
+    timings_ms: dict[str, float] = Field(
+        description="admit (ingress checks), encode (fan-out to ranks and back), total, and "
+        "rank_R (model time of each rank called)."
+    )
+
+
+class ErrorBody(BaseModel):
+    type: str = Field(description="Error class, e.g. invalid_request, limit_exceeded.")
+    message: str = Field(description="What was received, what is allowed and how to fix it.")
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+    model_config = ConfigDict(json_schema_extra={"examples": [{"error": {
+        "type": "invalid_request",
+        "message": "item 0: Kimi-K3 encoder mode supports image input only; got modality "
+        "'video'. Send each image as an item of type 'image' and encode other media elsewhere.",
+    }}]})
+
+
+class RankInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    rank: int
+    state: str = Field(description="'ready', or 'unavailable' with an 'error'.")
+
+
+class InfoResponse(BaseModel):
+    model: str
+    variant: str = Field(description="'k3' or 'k25'.")
+    hidden_size: int
+    num_layers: int
+    text_hidden_size: int = Field(description="Width of each feature row.")
+    patch_size: int
+    merge_kernel_size: list[int]
+    dtype: str
+    device: str
+    preprocess_backend: str = Field(description="Default backend of requests.")
+    dp_size: int
+    ranks: list[RankInfo] = Field(description="Each rank's own report (calls, items, device...).")

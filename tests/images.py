@@ -1,0 +1,81 @@
+"""Seeded synthetic test images in every PIL mode the encoder must handle."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+MODES = ("1", "L", "LA", "P", "P+trns", "PA-palette", "RGB", "RGB+trns", "RGBA", "CMYK",
+         "I;16", "I", "F")
+
+
+def _base(size: tuple[int, int], seed: int) -> np.ndarray:
+    """(H, W, 4) float in [0, 1]: gradients, noise and hard edges."""
+    w, h = size
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:h, 0:w].astype(np.float64)
+    planes = [
+        xx / max(w - 1, 1),
+        yy / max(h - 1, 1),
+        0.5 + 0.5 * np.sin((xx + 2 * yy) / 5.0),
+        ((xx // 7 + yy // 5) % 2).astype(np.float64),
+    ]
+    img = np.stack(planes, axis=-1)
+    img = 0.8 * img + 0.2 * rng.random((h, w, 4))
+    return np.clip(img, 0.0, 1.0)
+
+
+def make_image(mode: str, size: tuple[int, int], seed: int = 0) -> Image.Image:
+    """A PIL image of ``size`` (width, height) in ``mode`` (see MODES)."""
+    base = _base(size, seed)
+    u8 = (base * 255).round().astype(np.uint8)
+    if mode == "RGB":
+        return Image.fromarray(u8[..., :3], "RGB")
+    if mode == "RGBA":
+        return Image.fromarray(u8, "RGBA")
+    if mode == "RGB+trns":
+        img = Image.fromarray(u8[..., :3], "RGB")
+        img.info["transparency"] = tuple(int(v) for v in u8[0, 0, :3])
+        return img
+    if mode == "L":
+        return Image.fromarray(u8[..., 0], "L")
+    if mode == "LA":
+        return Image.fromarray(u8[..., [0, 3]], "LA")
+    if mode == "1":
+        return Image.fromarray(u8[..., 2] > 127).convert("1")
+    if mode in ("P", "P+trns"):
+        img = Image.fromarray(u8[..., :3], "RGB").quantize(64, method=Image.Quantize.MEDIANCUT)
+        if mode == "P+trns":
+            img.info["transparency"] = 3
+        return img
+    if mode == "PA-palette":
+        img = Image.fromarray(u8[..., :3], "RGB").quantize(32, method=Image.Quantize.MEDIANCUT)
+        alphas = bytes((i * 8) % 256 for i in range(256))
+        img.info["transparency"] = alphas
+        return img
+    if mode == "CMYK":
+        return Image.frombytes("CMYK", size, u8.tobytes())
+    if mode == "I;16":
+        arr = (base[..., 0] * 1000).astype("<u2")
+        return Image.frombytes("I;16", size, arr.tobytes())
+    if mode == "I":
+        arr = (base[..., 1] * 600 - 100).astype(np.int32)
+        return Image.frombytes("I", size, arr.astype("<i4").tobytes())
+    if mode == "F":
+        arr = (base[..., 2] * 300 - 20).astype(np.float32)
+        return Image.frombytes("F", size, arr.astype("<f4").tobytes())
+    raise ValueError(f"unknown test mode {mode!r}")
+
+
+def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    if fmt == "PNG" and img.mode in ("CMYK", "I", "F"):
+        fmt = "TIFF"  # PNG cannot store these modes
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def image_bytes(mode: str, size: tuple[int, int], seed: int = 0, fmt: str = "PNG") -> bytes:
+    return encode_image(make_image(mode, size, seed), fmt)

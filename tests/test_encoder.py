@@ -1,0 +1,97 @@
+"""VisionEncoder: batching is invisible, dtypes, and the owner-side checks."""
+
+import dataclasses
+
+import pytest
+import torch
+from images import image_bytes
+
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.items import EncoderItem
+
+SIZES = [(100, 37), (900, 700), (1, 1), (28, 280), (333, 111), (64, 64)]
+MODES = ["RGB", "RGBA", "L", "P", "CMYK", "LA"]
+
+
+@pytest.fixture(scope="module")
+def encoder(tiny_checkpoint):
+    return VisionEncoder.from_pretrained(tiny_checkpoint, device="cpu", backend="cpu")
+
+
+def _items(encoder):
+    return [
+        encoder.plan(image_bytes(mode, size, seed=i))
+        for i, (mode, size) in enumerate(zip(MODES, SIZES))
+    ]
+
+
+def test_batching_is_invisible(encoder):
+    items = _items(encoder)
+    batched = encoder.encode(items)
+    for item, features in zip(items, batched):
+        (single,) = encoder.encode([item])
+        assert features.shape == single.shape == (item.num_tokens(2), 80)
+        torch.testing.assert_close(features, single, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_close_to_float32(tiny_checkpoint, encoder, dtype):
+    low = VisionEncoder.from_pretrained(tiny_checkpoint, device="cpu", dtype=dtype, backend="cpu")
+    items = _items(encoder)[:3]
+    for ref, got in zip(encoder.encode(items), low.encode(items)):
+        assert got.dtype == getattr(torch, dtype)
+        # RMSNorm eps follows the dtype; outputs are post-RMSNorm so O(1) in magnitude.
+        assert (got.float() - ref).abs().max() < 0.15
+
+
+def test_refuses_aggregated_item(encoder):
+    item = EncoderItem(torch.tensor([[1, 2, 2], [1, 2, 2]]), pixel_values=torch.zeros(8, 3, 14, 14))
+    with pytest.raises(ValueError, match="one vision grid per MultimodalDataItem; split"):
+        encoder.encode([item])
+
+
+@pytest.mark.parametrize("backend, word", [("cpu", "CPU"), ("gpu", "GPU")])
+def test_wrong_grids_detected(encoder, backend, word):
+    item = encoder.plan(image_bytes("RGB", (100, 37)), backend=backend)
+    bad = dataclasses.replace(item, grid_thws=torch.tensor([[1, 2, 16]]))
+    with pytest.raises(ValueError, match=f"Kimi-K3 deferred {word} preprocessing produced wrong grids"):
+        encoder.encode([bad])
+
+
+def test_pixel_rows_must_match_grid(encoder):
+    item = EncoderItem(torch.tensor([[1, 2, 4]]), pixel_values=torch.zeros(7, 3, 14, 14))
+    with pytest.raises(ValueError, match="Kimi-K3 deferred feature length does not match image grids"):
+        encoder.encode([item])
+
+
+def test_unknown_backend_at_dispatch(encoder):
+    item = encoder.plan(image_bytes("RGB", (30, 30)))
+    object.__setattr__(item.deferred, "backend", "tpu")  # a record corrupted after admission
+    with pytest.raises(ValueError, match="Unsupported Kimi-K3 deferred preprocessing backend: tpu"):
+        encoder.encode([item])
+
+
+def test_unknown_backend_at_load(tiny_checkpoint):
+    with pytest.raises(ValueError, match="Unsupported Kimi-K3 deferred preprocessing backend: npu"):
+        VisionEncoder.from_pretrained(tiny_checkpoint, device="cpu", backend="npu")
+
+
+def test_preprocessed_item_equals_raw(encoder):
+    raw = encoder.plan(image_bytes("RGBA", (200, 90)))
+    pixels = encoder.materialize([raw])[0]
+    pre = EncoderItem(raw.grid_thws.clone(), pixel_values=pixels)
+    torch.testing.assert_close(encoder.encode([pre])[0], encoder.encode([raw])[0], atol=0, rtol=0)
+
+
+def test_empty_call(encoder):
+    assert encoder.encode([]) == []
+
+
+def test_unknown_preset_names_valid_ones():
+    with pytest.raises(ValueError, match="valid presets: tiny, small, k3, k25"):
+        VisionEncoder.from_pretrained("huge", device="cpu")
+
+
+def test_unknown_dtype():
+    with pytest.raises(ValueError, match="Unsupported dtype 'float64'; allowed: float32"):
+        VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float64")

@@ -1,0 +1,301 @@
+"""Bit-exactness of ``kimi_encoder.pil_ops`` against Pillow itself.
+
+Every image is generated from a fixed seed: smooth gradients, noise and hard
+edges for the colour bands, alpha ramps that reach both 0 and 255.
+"""
+
+from __future__ import annotations
+
+import platform
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from kimi_encoder.pil_ops import RawImage, raw_from_pil, resize_bicubic, to_rgb
+
+# ----------------------------------------------------------------------------- images
+
+
+def _plane(width: int, height: int, seed: int) -> np.ndarray:
+    """A float image in about [0, 1]: gradients, a disc and a bar with hard edges, noise."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    fx, fy = x / max(width - 1, 1), y / max(height - 1, 1)
+    angle = rng.uniform(0, 2 * np.pi)
+    value = 0.5 + 0.35 * np.sin(4 * (fx * np.cos(angle) + fy * np.sin(angle)) + angle)
+    disc = (fx - rng.uniform(0.3, 0.7)) ** 2 + (fy - rng.uniform(0.3, 0.7)) ** 2 < 0.06
+    value = np.where(disc, rng.uniform(0, 0.1), value)
+    value = np.where(np.abs(fx - rng.uniform(0.2, 0.8)) < 0.08, 1.0, value)
+    return value + rng.normal(0, 0.06, size=value.shape)
+
+
+def _u8(width: int, height: int, seed: int) -> np.ndarray:
+    return np.clip(_plane(width, height, seed) * 255, 0, 255).astype(np.uint8)
+
+
+def _alpha(width: int, height: int, seed: int) -> np.ndarray:
+    """Alpha ramp from fully transparent to opaque, with saturated corners."""
+    ramp = np.linspace(-0.2, 1.2, width)[None, :] * np.ones((height, 1))
+    noisy = ramp + np.random.default_rng(seed).normal(0, 0.05, size=ramp.shape)
+    return np.clip(noisy * 255, 0, 255).astype(np.uint8)
+
+
+def _palette(seed: int, entries: int, channels: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 256, entries * channels).tolist()
+
+
+def _frombytes(mode: str, data: np.ndarray) -> Image.Image:
+    height, width = data.shape[:2]
+    return Image.frombytes(mode, (width, height), np.ascontiguousarray(data).tobytes())
+
+
+def make_image(kind: str, width: int, height: int, seed: int = 0) -> Image.Image:
+    """Build one test image; ``kind`` is a mode, optionally with a variant suffix."""
+    rgb = np.stack([_u8(width, height, seed + c) for c in range(3)], axis=-1)
+    gray, alpha = rgb[..., 0], _alpha(width, height, seed + 7)
+    index = (gray.astype(np.int32) * 251 // 255).astype(np.uint8)  # 0..250 of 200 entries
+    if kind.startswith("1"):
+        img = Image.fromarray(gray > 127)
+        if kind == "1-trns":
+            img.info["transparency"] = 0
+        return img
+    if kind == "L":
+        return Image.fromarray(gray)
+    if kind == "L-trns":
+        img = Image.fromarray(gray)
+        img.info["transparency"] = int(gray.flat[gray.size // 2])
+        return img
+    if kind == "LA":
+        return Image.fromarray(np.stack([gray, alpha], axis=-1))
+    if kind.startswith("P"):
+        if kind == "PA":
+            img = _frombytes("PA", np.stack([index, alpha], axis=-1))
+        else:
+            img = _frombytes("P", index)
+        channels = 4 if "rgba" in kind else 3
+        img.putpalette(_palette(seed, 200, channels), "RGBA" if channels == 4 else "RGB")
+        if "trns-index" in kind:
+            img.info["transparency"] = int(index.flat[index.size // 3])
+        if "trns-bytes" in kind:
+            img.info["transparency"] = bytes(_palette(seed + 1, 180, 1))
+        return img
+    if kind == "RGB":
+        return Image.fromarray(rgb)
+    if kind == "RGB-trns":
+        img = Image.fromarray(rgb)
+        img.info["transparency"] = tuple(int(v) for v in rgb[0, 0])
+        return img
+    if kind == "RGBA":
+        return Image.fromarray(np.concatenate([rgb, alpha[..., None]], axis=-1))
+    if kind == "CMYK":
+        return _frombytes("CMYK", np.concatenate([rgb, 255 - alpha[..., None]], axis=-1))
+    if kind.startswith("I;16"):
+        # Mostly above 255 (clamps to white), with a dark band that stays in range.
+        values = _plane(width, height, seed) * 70000 - 2000
+        values[:, : max(1, width // 4)] /= 200
+        img = _frombytes("I;16", np.clip(values, 0, 65535).astype(np.uint16))
+        if kind == "I;16-trns":
+            img.info["transparency"] = 0x100 + 40  # Pillow compares the low byte only
+        return img
+    if kind.startswith("I"):
+        scale = 2.2e9 if kind == "I-extreme" else 600
+        values = (_plane(width, height, seed) - 0.3) * scale
+        img = _frombytes("I", np.clip(values, -(2**31), 2**31 - 1).astype(np.int32))
+        if kind == "I-trns":
+            img.info["transparency"] = 255  # i2rgb clamps first: every value >= 255 matches
+        return img
+    if kind == "F":
+        values = (_plane(width, height, seed) * 400 - 60).astype(np.float32)
+        return _frombytes("F", values)
+    raise ValueError(kind)
+
+
+KINDS = [
+    "1", "1-trns", "L", "L-trns", "LA", "P", "P-trns-index", "P-trns-bytes", "P-rgba",
+    "P-rgba-trns-index", "PA", "RGB", "RGB-trns", "RGBA", "CMYK", "I;16",
+    "I;16-trns", "I", "I-trns", "F",
+]  # fmt: skip
+
+# (source size, target size), all (width, height).
+RESIZES = [
+    ((64, 48), (128, 96)),  # 2x upscale
+    ((37, 29), (100, 71)),  # non-integer upscale
+    ((200, 150), (20, 15)),  # 10x downscale
+    ((120, 80), (97, 161)),  # downscale x, upscale y
+    ((100, 37), (98, 37)),  # horizontal pass only
+    ((37, 100), (37, 98)),  # vertical pass only
+    ((101, 67), (64, 43)),  # small non-integer downscale
+    ((1, 50), (7, 13)),  # 1xN source
+    ((50, 1), (13, 7)),  # Nx1 source
+    ((1, 1), (5, 3)),  # single pixel
+    ((33, 17), (1, 1)),  # to a single pixel
+    ((10, 10), (3, 3)),  # nearest-neighbour rounding of the running sum
+    ((45, 45), (45, 45)),  # unchanged
+]
+BIG_RESIZE = ((900, 700), (403, 313))
+
+BACKGROUNDS = {
+    "none": None,
+    "white": {"pattern": "white"},
+    "gray": {"pattern": "gray"},
+    "black": {},
+    "chessboard": {
+        "pattern": "chessboard",
+        "chessboard_square_size": 8,
+        "chessboard_square_on_top_left": False,
+        "chessboard_white_value": 250,
+        "chessboard_gray_value": 180,
+    },
+}
+
+
+def _size_id(resize: tuple[tuple[int, int], tuple[int, int]]) -> str:
+    (w0, h0), (w1, h1) = resize
+    return f"{w0}x{h0}-{w1}x{h1}"
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def reference_to_rgb(img: Image.Image, bg_config: dict | None) -> np.ndarray:
+    """The processor's conversion, in Pillow and numpy float32."""
+    img = img.copy()  # convert("RGBA") writes palette alphas into the image
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # P + bytes transparency -> RGB warns
+        if bg_config is None:
+            return np.asarray(img.convert("RGB"))
+        if img.mode == "RGB":
+            return np.asarray(img)
+        if "A" not in img.getbands() and "transparency" not in img.info:
+            return np.asarray(img.convert("RGB"))
+        rgba = np.asarray(img.convert("RGBA"))
+    height, width = rgba.shape[:2]
+    pattern = bg_config.get("pattern", "black")
+    if pattern == "chessboard":
+        square = bg_config.get("chessboard_square_size", 16)
+        gray_parity = 1 if bg_config.get("chessboard_square_on_top_left", True) else 0
+        bg = np.full((height, width, 3), bg_config.get("chessboard_white_value", 255), np.uint8)
+        for y in range(0, height, square):
+            for x in range(0, width, square):
+                if (y // square + x // square) % 2 == gray_parity:
+                    bg[y : y + square, x : x + square] = bg_config.get("chessboard_gray_value", 200)
+    else:
+        bg = np.full((height, width, 3), {"white": 255, "gray": 128, "black": 0}[pattern], np.uint8)
+    alpha = rgba[:, :, 3:4].astype(np.float32) / 255.0
+    return (alpha * rgba[:, :, :3] + (1 - alpha) * bg).astype(np.uint8)
+
+
+def assert_same(got: torch.Tensor, expected: np.ndarray, what: str) -> None:
+    assert got.device.type == "cpu"
+    got_np = got.numpy()
+    assert got_np.dtype == expected.dtype, what
+    assert got_np.shape == expected.shape, what
+    if not np.array_equal(got_np, expected, equal_nan=got_np.dtype.kind == "f"):
+        diff = np.abs(got_np.astype(np.float64) - expected.astype(np.float64))
+        raise AssertionError(
+            f"{what}: max abs diff {diff.max()}, {np.mean(diff == 0):.4%} exact"
+        )
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_raw_from_pil_layout():
+    for kind in KINDS:
+        img = make_image(kind, 9, 5)
+        raw = raw_from_pil(img)
+        expected = np.asarray(img)
+        assert raw.mode == img.mode
+        assert raw.pixels.numpy().dtype == expected.dtype, kind
+        assert np.array_equal(raw.pixels.numpy(), expected), kind
+        assert raw.size == img.size
+        assert raw.transparency == img.info.get("transparency")
+        if img.mode in ("P", "PA"):
+            channels = 4 if img.palette.mode == "RGBA" else 3
+            assert tuple(raw.palette.shape) == (256, channels)
+            assert raw.palette.dtype == torch.uint8
+        else:
+            assert raw.palette is None
+
+
+@pytest.mark.parametrize("resize", RESIZES + [BIG_RESIZE], ids=_size_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_resize_and_to_rgb_match_pillow(kind: str, resize):
+    source, target = resize
+    img = make_image(kind, *source, seed=len(kind) + source[0])
+    raw = resize_bicubic(raw_from_pil(img), target)
+    resized = img.resize(target, Image.BICUBIC)
+    assert raw.mode == resized.mode
+    assert_same(raw.pixels, np.asarray(resized), f"resize {kind}")
+    for name, bg_config in BACKGROUNDS.items():
+        assert_same(to_rgb(raw, bg_config), reference_to_rgb(resized, bg_config), f"rgb {name}")
+
+
+@pytest.mark.skipif(
+    platform.machine().lower() not in ("x86_64", "amd64"),
+    reason="Pillow's int32 overflow result is the x86 conversion's INT_MIN",
+)
+def test_resize_int32_overshoot_matches_pillow():
+    img = make_image("I-extreme", 64, 40, seed=3)
+    for target in [(97, 61), (23, 17)]:
+        got = resize_bicubic(raw_from_pil(img), target).pixels
+        assert_same(got, np.asarray(img.resize(target, Image.BICUBIC)), f"I {target}")
+
+
+def test_float_resize_keeps_non_finite_values_local():
+    values = np.linspace(-1, 1, 30 * 20, dtype=np.float32).reshape(20, 30)
+    values[0, 0], values[19, 29], values[10, 15] = np.inf, -np.inf, np.nan
+    img = Image.frombytes("F", (30, 20), values.tobytes())
+    got = resize_bicubic(raw_from_pil(img), (41, 13)).pixels
+    assert_same(got, np.asarray(img.resize((41, 13), Image.BICUBIC)), "F non-finite")
+
+
+def test_chessboard_geometry():
+    transparent = RawImage(torch.zeros(40, 40, 4, dtype=torch.uint8), "RGBA")
+    board = to_rgb(transparent, {"pattern": "chessboard"})[..., 0]  # the defaults
+    assert board[0, 0] == 255 and board[15, 15] == 255  # white top-left square
+    assert board[0, 16] == 200 and board[16, 0] == 200 and board[16, 16] == 255
+    flipped = to_rgb(
+        transparent,
+        {
+            "pattern": "chessboard",
+            "chessboard_square_size": 3,
+            "chessboard_square_on_top_left": False,
+            "chessboard_white_value": 240,
+            "chessboard_gray_value": 100,
+        },
+    )
+    rows, cols = np.mgrid[0:40, 0:40]
+    expected = np.where((rows // 3 + cols // 3) % 2 == 0, 100, 240).astype(np.uint8)
+    assert np.array_equal(flipped.numpy(), np.repeat(expected[..., None], 3, axis=-1))
+
+
+def test_rgb_passes_through_even_with_transparency():
+    img = make_image("RGB-trns", 12, 7)
+    raw = raw_from_pil(img)
+    assert to_rgb(raw, {"pattern": "white"}) is raw.pixels
+
+
+def test_invalid_pattern_raises():
+    raw = raw_from_pil(make_image("RGBA", 8, 8))
+    with pytest.raises(ValueError, match="Invalid background pattern: stripes"):
+        to_rgb(raw, {"pattern": "stripes"})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_matches_pillow(kind: str):
+    for source, target in RESIZES + [BIG_RESIZE]:
+        img = make_image(kind, *source, seed=len(kind) + source[0])
+        raw = resize_bicubic(raw_from_pil(img, device="cuda"), target)
+        assert raw.pixels.device.type == "cuda"
+        resized = img.resize(target, Image.BICUBIC)
+        assert_same(raw.pixels.cpu(), np.asarray(resized), f"resize {kind} {target}")
+        for name, bg_config in BACKGROUNDS.items():
+            got = to_rgb(raw, bg_config)
+            assert got.device.type == "cuda"
+            assert_same(got.cpu(), reference_to_rgb(resized, bg_config), f"rgb {name}")
