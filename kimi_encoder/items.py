@@ -184,6 +184,12 @@ def read_image_size(data: bytes, max_pixels: int | None = None, index: int | Non
         raise LimitExceededError(
             f"image header claims a decompression bomb ({exc}); send a smaller image.", index
         ) from None
+    except Image.UnidentifiedImageError:
+        raise EncoderInputError(
+            f"cannot read the image header: {len(data)} bytes in no image format this server "
+            "reads; send a valid PNG, JPEG, WebP, GIF, BMP or TIFF file.",
+            index,
+        ) from None
     except Exception as exc:  # PIL raises many types for undecodable data
         raise EncoderInputError(
             f"cannot read the image header ({type(exc).__name__}: {exc}); send a valid "

@@ -1,0 +1,300 @@
+"""``EncodeServer``: the HTTP ingress (FastAPI). Admits, assigns owners, fans out, gathers."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from ray import serve
+from ray.exceptions import RayTaskError
+from ray.serve.handle import DeploymentHandle
+from safetensors.numpy import save as save_safetensors
+from starlette.datastructures import UploadFile
+
+from kimi_encoder.assign import assign_owners, group_by_owner
+from kimi_encoder.config import resolve_configs
+from kimi_encoder.items import EncoderInputError, LimitExceededError
+
+from .admission import Admission, Admitted
+from .args import AppArgs
+from .schemas import (
+    EncodeRequest,
+    EncodeResponse,
+    ErrorResponse,
+    InfoResponse,
+    ItemFeatures,
+    Usage,
+)
+
+log = logging.getLogger("ray.serve")
+
+api = FastAPI(
+    title="Kimi-K3 vision encoder",
+    version="0.1.0",
+    description="Disaggregated image encoder with vision data parallelism: each image is "
+    "encoded by one owner rank, chosen by patch count; features come back in request order.",
+)
+
+_ERRORS = {
+    400: {"model": ErrorResponse, "description": "Invalid item, backend or data."},
+    413: {"model": ErrorResponse, "description": "Over a configured request limit."},
+    415: {"model": ErrorResponse, "description": "Body is neither JSON nor multipart."},
+    422: {"model": ErrorResponse, "description": "Malformed body."},
+    500: {"model": ErrorResponse, "description": "Encoder failure."},
+}
+_MULTIPART_SCHEMA = {
+    "type": "object",
+    "required": ["image"],
+    "properties": {
+        "image": {"type": "array", "items": {"type": "string", "format": "binary"},
+                  "description": "One or more image files (repeat the field)."},
+        "response_format": {"type": "string", "enum": ["json", "safetensors"], "default": "json"},
+        "backend": {"type": "string", "enum": ["gpu", "cpu"]},
+    },
+}
+_FORM_FIELDS = {"image", "response_format", "backend"}
+
+
+def error_response(status: int, kind: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+
+
+def _validation_message(exc: ValidationError | RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "image", "other"))
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return "; ".join(parts) + ". See /docs for the request schema."
+
+
+@api.exception_handler(RequestValidationError)
+async def _on_request_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_response(422, "validation_error", _validation_message(exc))
+
+
+class EncodeServer:
+    """Ingress: admission and owner assignment here, encoding on the owner ranks."""
+
+    def __init__(self, ranks: list[DeploymentHandle], args: AppArgs):
+        assert len(ranks) == args.dp_size, (len(ranks), args.dp_size)
+        self.ranks = ranks
+        self.args = args
+        vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
+        self.admission = Admission(vision, preprocess, args)
+        self.vision = vision
+
+    @api.post(
+        "/v1/encode",
+        response_model=EncodeResponse,
+        summary="Encode images into LLM-space features",
+        responses={
+            200: {"content": {"application/octet-stream": {"schema": {
+                "type": "string", "format": "binary",
+                "description": "safetensors file: features.{i} float32, grid_thw.{i} int64 "
+                "[1, 3]; metadata 'owner_ranks' (JSON list) and 'model'."}}}},
+            **_ERRORS,
+        },
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
+            "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
+        }}},
+    )
+    async def encode(self, request: Request) -> Response:
+        """JSON (``EncodeRequest``) or multipart upload (``image`` files); see docs/api.md."""
+        started = time.perf_counter()
+        try:
+            admitted, response_format = await self._admit(request)
+        except ValidationError as exc:
+            return error_response(422, "validation_error", _validation_message(exc))
+        except EncoderInputError as exc:
+            return _input_error(exc)
+        admitted_at = time.perf_counter()
+        try:
+            features, owners, rank_ms = await self._fan_out(admitted)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
+            cause = exc.cause if isinstance(exc, RayTaskError) else exc
+            if isinstance(cause, EncoderInputError):
+                return _input_error(cause)
+            log.exception("encode failed")
+            return error_response(500, "internal_error", f"{type(cause).__name__}: {cause}")
+        done = time.perf_counter()
+        timings = {
+            "admit": (admitted_at - started) * 1e3,
+            "encode": (done - admitted_at) * 1e3,
+            **{f"rank_{r}": ms for r, ms in sorted(rank_ms.items())},
+        }
+        if response_format == "safetensors":
+            body = self._safetensors(admitted, features, owners)
+            timings["total"] = (time.perf_counter() - started) * 1e3
+            headers = {"X-Timings-Ms": json.dumps({k: round(v, 3) for k, v in timings.items()})}
+            return Response(body, media_type="application/octet-stream", headers=headers)
+        return JSONResponse(self._json(admitted, features, owners, timings, started))
+
+    @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
+    async def info(self) -> dict[str, Any]:
+        ranks = await asyncio.gather(*(self._rank_info(r) for r in range(len(self.ranks))))
+        v = self.vision
+        return {
+            "model": self.model_name,
+            "variant": v.variant,
+            "hidden_size": v.hidden_size,
+            "num_layers": v.num_layers,
+            "text_hidden_size": v.text_hidden_size,
+            "patch_size": v.patch_size,
+            "merge_kernel_size": list(v.merge_kernel_size),
+            "dtype": self.args.dtype,
+            "device": self.args.rank_device,
+            "preprocess_backend": self.args.default_backend,
+            "dp_size": len(self.ranks),
+            "ranks": ranks,
+        }
+
+    @api.get("/healthz", summary="Liveness of the ingress")
+    async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    def check_health(self) -> None:
+        """Cheap: the ingress holds its rank handles."""
+        if not self.ranks:
+            raise RuntimeError("ingress has no encoder ranks")
+
+    async def _admit(self, request: Request) -> tuple[Admitted, str]:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit():
+            self.admission.check_body_size(int(length))
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind == "multipart/form-data":
+            return await self._admit_form(request)
+        if kind not in ("application/json", ""):
+            raise _UnsupportedMedia(kind)
+        body = await request.body()
+        self.admission.check_body_size(len(body))
+        parsed = EncodeRequest.model_validate_json(body)
+        return self.admission.admit_json(parsed), parsed.response_format
+
+    async def _admit_form(self, request: Request) -> tuple[Admitted, str]:
+        limit = self.args.max_images_per_request + 1
+        async with request.form(max_files=limit, max_fields=limit + 8) as form:
+            unknown = sorted(set(form.keys()) - _FORM_FIELDS)
+            if unknown:
+                raise _form_error(f"unknown form fields {unknown}; allowed: {sorted(_FORM_FIELDS)}")
+            uploads = form.getlist("image")
+            if not uploads or not all(isinstance(u, UploadFile) for u in uploads):
+                raise _form_error("send one or more files in the 'image' field "
+                                  "(curl -F image=@a.png -F image=@b.jpg)")
+            files = [await u.read() for u in uploads]
+            options = {k: form.get(k) for k in ("response_format", "backend")}
+        fmt = options["response_format"] or "json"
+        if fmt not in ("json", "safetensors"):
+            raise _form_error(f"response_format {fmt!r} is not one of 'json', 'safetensors'")
+        self.admission.check_body_size(sum(len(f) for f in files))
+        backend = options["backend"] or None
+        return self.admission.admit_files(files, backend), str(fmt)
+
+    async def _fan_out(
+        self, admitted: Admitted
+    ) -> tuple[list[np.ndarray], list[int], dict[int, float]]:
+        """Call only the ranks that own something, concurrently; gather in request order."""
+        items, sources = admitted.items, admitted.sources
+        owners = assign_owners([item.num_patches for item in items], len(self.ranks))
+        groups = group_by_owner(owners, len(self.ranks))
+        calls = [
+            self.ranks[rank].encode.remote([sources[i] for i in idx], [items[i] for i in idx])
+            for rank, idx in groups.items()
+        ]
+        results = await asyncio.gather(*calls)
+        features: list[np.ndarray | None] = [None] * len(items)
+        rank_ms: dict[int, float] = {}
+        for (rank, idx), result in zip(groups.items(), results):
+            assert result["rank"] == rank and len(result["features"]) == len(idx), (rank, idx)
+            rank_ms[rank] = result["encode_ms"]
+            for i, array in zip(idx, result["features"]):
+                features[i] = array
+        merge, width = self.vision.merge_kernel_size[0], self.vision.text_hidden_size
+        for i, (item, array) in enumerate(zip(items, features)):
+            expected = (item.num_tokens(merge), width)
+            if array is None or tuple(array.shape) != expected:
+                got = None if array is None else tuple(array.shape)
+                raise RuntimeError(f"item {i}: rank {owners[i]} returned {got}, grid needs {expected}")
+        return features, owners, rank_ms  # type: ignore[return-value]
+
+    def _json(self, admitted, features, owners, timings, started) -> dict[str, Any]:
+        out = []
+        for i, (item, array, owner) in enumerate(zip(admitted.items, features, owners)):
+            data = np.ascontiguousarray(array, dtype="<f4").tobytes()
+            out.append(ItemFeatures(
+                index=i, grid_thw=list(item.grid), num_tokens=array.shape[0], owner_rank=owner,
+                shape=list(array.shape), data=base64.b64encode(data).decode("ascii"),
+            ).model_dump())
+        usage = Usage(images=len(out), patches=admitted.patches,
+                      tokens=sum(a.shape[0] for a in features))
+        timings["total"] = (time.perf_counter() - started) * 1e3
+        return {"model": self.model_name, "items": out, "usage": usage.model_dump(),
+                "timings_ms": {k: round(v, 3) for k, v in timings.items()}}
+
+    def _safetensors(self, admitted, features, owners) -> bytes:
+        tensors: dict[str, np.ndarray] = {}
+        for i, (item, array) in enumerate(zip(admitted.items, features)):
+            tensors[f"features.{i}"] = np.ascontiguousarray(array, dtype=np.float32)
+            tensors[f"grid_thw.{i}"] = np.asarray([item.grid], dtype=np.int64)
+        meta = {"model": self.model_name, "owner_ranks": json.dumps(owners)}
+        return save_safetensors(tensors, metadata=meta)
+
+    async def _rank_info(self, rank: int) -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(self.ranks[rank].info.remote(), timeout=10)
+        except Exception as exc:  # noqa: BLE001 - a sick rank is reported, not raised
+            return {"rank": rank, "state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
+
+
+class _UnsupportedMedia(EncoderInputError):
+    def __init__(self, kind: str):
+        super().__init__(
+            f"Content-Type {kind!r} is not supported; send application/json (EncodeRequest) "
+            "or multipart/form-data with 'image' files."
+        )
+
+
+class _FormError(EncoderInputError):
+    """A malformed multipart body (HTTP 422)."""
+
+
+def _form_error(message: str) -> _FormError:
+    return _FormError(message + ".")
+
+
+def _input_error(exc: EncoderInputError) -> JSONResponse:
+    if isinstance(exc, LimitExceededError):
+        return error_response(413, "limit_exceeded", str(exc))
+    if isinstance(exc, _UnsupportedMedia):
+        return error_response(415, "unsupported_media_type", str(exc))
+    if isinstance(exc, _FormError):
+        return error_response(422, "validation_error", str(exc))
+    return error_response(400, "invalid_request", str(exc))
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's schema plus the request models that the raw-Request route reads by hand."""
+    if api.openapi_schema is None:
+        schema = get_openapi(title=api.title, version=api.version,
+                             description=api.description, routes=api.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        request = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(request.pop("$defs", {}))
+        components["EncodeRequest"] = request
+        api.openapi_schema = schema
+    return api.openapi_schema
+
+
+api.openapi = _openapi  # type: ignore[method-assign]
+ingress = serve.ingress(api)
