@@ -1,0 +1,144 @@
+"""Encoder throughput: preprocessing (cpu and gpu backends) and the tower.
+
+    python -m benchmarks.bench_encoder [--presets tiny small] [--seconds 3]
+
+Prints images/s and patches/s for each stage on a fixed, seeded image mix,
+and the ratio of our K2.5 tower to transformers' ``kimi_k25`` tower on the
+same weights and pixels (when transformers is installed). Side-by-side
+measurements in one process; the machine and thread count are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.weights import write_checkpoint
+
+# A fixed mix: photo-like RGB of several sizes, one RGBA, one palette image.
+MIX = [("RGB", (640, 480)), ("RGB", (1024, 768)), ("RGB", (320, 240)), ("RGBA", (500, 500)),
+       ("P", (400, 300)), ("RGB", (1920, 1080)), ("L", (256, 256)), ("RGB", (800, 200))]
+
+
+def make_mix(seed: int = 0) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for mode, (w, h) in MIX:
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) % 256, 255 - xx * 255 // w], -1)
+        noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
+        img = Image.fromarray(noisy, "RGBA")
+        img = img if mode == "RGBA" else img.convert("RGB")
+        if mode == "P":
+            img = img.quantize(64)
+        elif mode == "L":
+            img = img.convert("L")
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def timed(fn, seconds: float) -> tuple[float, int]:
+    """(seconds per call, calls) after one warm-up call, running for about ``seconds``."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while True:
+        fn()
+        calls += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / calls, calls
+
+
+def bench_preset(name: str, images: list[bytes], seconds: float) -> list[str]:
+    rows = []
+    encoders = {b: VisionEncoder.from_pretrained(name, device="cpu", backend=b) for b in ("cpu", "gpu")}
+    items = [encoders["cpu"].plan(data) for data in images]
+    patches = sum(item.num_patches for item in items)
+    for backend, enc in encoders.items():
+        its = [enc.plan(data) for data in images]
+        per, _ = timed(lambda: enc.materialize(its), seconds)
+        rows.append(_row(name, f"preprocess ({backend} backend)", len(its), patches, per))
+    enc = encoders["cpu"]
+    pixels = enc.materialize(items)
+    per, _ = timed(lambda: enc.forward(pixels, items), seconds)
+    rows.append(_row(name, "tower + projector", len(items), patches, per))
+    return rows
+
+
+def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
+    """Our K2.5 tower vs transformers' on the same weights (a mid-size K2.5 shape)."""
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from reference_k25 import load_transformers_k25, transformers_features
+    except ImportError as exc:
+        return [f"| transformers comparison skipped: {exc} |"]
+    vision = VisionConfig(
+        hidden_size=384, num_layers=6, num_heads=6, qkv_hidden_size=384, intermediate_size=1536,
+        pos_emb_height=64, pos_emb_width=64, mm_hidden_size=384, text_hidden_size=1024,
+        norm_type="layernorm", attn_bias=True, linear_bias=True, patch_embed_proj_bias=True,
+        pos_emb_interpolation_mode="bicubic", projector_type="patchmerger",
+    )
+    preprocess = PreprocessConfig(in_patch_limit=4096, patch_limit_on_one_side=128)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = write_checkpoint(Path(tmp), vision, preprocess, seed=0)
+        ours = VisionEncoder.from_pretrained(root, device="cpu", backend="cpu")
+        ref = load_transformers_k25(root)
+    items = [ours.plan(data) for data in images]
+    pixels = ours.materialize(items)
+    patches = sum(item.num_patches for item in items)
+    cat, grids = torch.cat(pixels), torch.cat([item.grid_thws for item in items])
+    per_ours, _ = timed(lambda: ours.forward(pixels, items), seconds)
+    per_ref, _ = timed(lambda: transformers_features(ref, cat, grids), seconds)
+    diff = (torch.cat(ours.forward(pixels, items)) - transformers_features(ref, cat, grids)).abs()
+    return [
+        _row("k25-mid", "tower + projector (ours)", len(items), patches, per_ours),
+        _row("k25-mid", "tower + projector (transformers)", len(items), patches, per_ref),
+        f"| k25-mid | ours / transformers throughput | {per_ref / per_ours:.2f}x | "
+        f"max abs diff {diff.max().item():.2e} | |",
+    ]
+
+
+def _row(preset: str, stage: str, images: int, patches: int, per_call: float) -> str:
+    return (f"| {preset} | {stage} | {images / per_call:.1f} img/s | "
+            f"{patches / per_call:.0f} patches/s | {per_call * 1e3:.1f} ms/batch |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    images = make_mix()
+    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+          f"torch {torch.__version__}, {args.threads} threads, CPU tensors")
+    print(f"# image mix ({len(MIX)} images, one batch): "
+          + ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX))
+    print("| preset | stage | images/s | patches/s | latency |")
+    print("|---|---|---|---|---|")
+    for name in args.presets:
+        get_preset(name)
+        for row in bench_preset(name, images, args.seconds):
+            print(row, flush=True)
+    for row in bench_transformers(images, args.seconds):
+        print(row, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
