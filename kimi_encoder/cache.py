@@ -1,0 +1,117 @@
+"""Feature cache: full-length content keys and a byte-bounded LRU.
+
+A key covers everything that changes an item's features: the model's weight
+fingerprint, the dtype, the item's grid, and either the original file bytes
+with the whole deferred-preprocessing record (backend, normalization,
+background, resize) and the image size, or the pixel tensor's dtype, shape and
+bytes. Fields are length-prefixed before hashing, so no two different inputs
+share a byte stream; the digest is the full SHA-256, never truncated and never
+Python's per-process ``hash()``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .items import EncoderItem
+
+
+def _field(h, tag: str, payload: bytes) -> None:
+    h.update(tag.encode())
+    h.update(len(payload).to_bytes(8, "little"))
+    h.update(payload)
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter's name, dtype, shape and bytes."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().contiguous().cpu()
+        _field(h, "name", name.encode())
+        _field(h, "meta", f"{t.dtype}{tuple(t.shape)}".encode())
+        _field(h, "data", t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def item_key(item: EncoderItem, model_id: str, dtype: str) -> str:
+    """Full-length hex digest identifying the features of ``item`` under this model."""
+    h = hashlib.sha256()
+    _field(h, "model", model_id.encode())
+    _field(h, "dtype", dtype.encode())
+    _field(h, "grid", json.dumps(item.grid_thws.tolist()).encode())
+    if item.pixel_values is not None:
+        pixels = item.pixel_values.detach().contiguous().cpu()
+        _field(h, "pixel-meta", f"{pixels.dtype}{tuple(pixels.shape)}".encode())
+        _field(h, "pixels", pixels.view(torch.uint8).numpy().tobytes())
+    else:
+        if item.image is None or item.deferred is None:
+            raise ValueError("cannot key an image item without its bytes and deferred record")
+        _field(h, "image", item.image)
+        _field(h, "size", json.dumps(item.original_size).encode())
+        _field(h, "preprocess", json.dumps(asdict(item.deferred), sort_keys=True).encode())
+    return h.hexdigest()
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    evictions: int = 0
+    entries: int = 0
+    bytes: int = 0
+
+
+class FeatureCache:
+    """Thread-safe LRU of numpy feature arrays, bounded in bytes (0 disables it)."""
+
+    def __init__(self, max_bytes: int):
+        if max_bytes < 0:
+            raise ValueError(f"cache max_bytes must be >= 0, got {max_bytes}.")
+        self.max_bytes = max_bytes
+        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = CacheStats()
+
+    def get(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            value = self._data.get(key)
+            if value is None:
+                self.stats.misses += 1
+                return None
+            self._data.move_to_end(key)
+            self.stats.hits += 1
+            return value
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._data
+
+    def put(self, key: str, value: np.ndarray) -> None:
+        size = value.nbytes
+        if size > self.max_bytes:
+            return
+        value = np.ascontiguousarray(value)
+        value.setflags(write=False)
+        with self._lock:
+            old = self._data.pop(key, None)
+            if old is not None:
+                self.stats.bytes -= old.nbytes
+            self._data[key] = value
+            self.stats.bytes += size
+            while self.stats.bytes > self.max_bytes:
+                _, evicted = self._data.popitem(last=False)
+                self.stats.bytes -= evicted.nbytes
+                self.stats.evictions += 1
+            self.stats.entries = len(self._data)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self.stats.bytes = self.stats.entries = 0

@@ -1,0 +1,102 @@
+"""Feature cache keys cover everything that changes features; the LRU is bounded in bytes."""
+
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
+from kimi_encoder.config import get_preset
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.items import EncoderItem, plan_image
+
+TINY = get_preset("tiny").preprocess
+
+
+def _png(raw: bytes, size) -> bytes:
+    buf = io.BytesIO()
+    Image.frombytes("L", size, raw).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    return VisionEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
+
+
+def test_transposed_shapes_same_bytes_differ(encoder):
+    raw = np.random.default_rng(0).integers(0, 256, 30 * 150, dtype=np.uint8).tobytes()
+    a = plan_image(_png(raw, (30, 150)), TINY, "cpu")
+    b = plan_image(_png(raw, (150, 30)), TINY, "cpu")
+    assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
+    fa, fb = encoder.encode([a, b])
+    assert fa.shape != fb.shape or not torch.equal(fa, fb)
+
+
+def test_pixel_tensor_shape_is_part_of_key():
+    pixels = torch.randn(8, 3, 14, 14)
+    a = EncoderItem(torch.tensor([[1, 2, 4]]), pixel_values=pixels)
+    b = EncoderItem(torch.tensor([[1, 4, 2]]), pixel_values=pixels)
+    assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(backend="gpu"),
+        dict(transparent_bg_config={"pattern": "white"}),
+        dict(transparent_bg_config=None),
+        dict(image_mean=(0.4, 0.5, 0.5)),
+        dict(fill_stage="before_resize"),
+    ],
+    ids=["backend", "background", "no-background", "mean", "fill-stage"],
+)
+def test_preprocessing_config_changes_key(change):
+    item = plan_image(_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
+    other = dataclasses.replace(item, deferred=dataclasses.replace(item.deferred, **change))
+    assert item_key(item, "m", "float32") != item_key(other, "m", "float32")
+
+
+def test_model_and_dtype_change_key():
+    item = plan_image(_png(bytes(1024), (32, 32)), TINY, "cpu")
+    keys = {item_key(item, m, d) for m in ("a", "b") for d in ("float32", "bfloat16")}
+    assert len(keys) == 4
+    assert all(len(k) == 64 for k in keys)  # full SHA-256
+
+
+def test_weights_fingerprint_sees_one_changed_value():
+    a = VisionEncoder.from_pretrained("tiny", device="cpu", seed=0).model
+    b = VisionEncoder.from_pretrained("tiny", device="cpu", seed=0).model
+    assert weights_fingerprint(a) == weights_fingerprint(b)
+    with torch.no_grad():
+        b.mm_projector.post_norm.weight[0] += 1e-6
+    assert weights_fingerprint(a) != weights_fingerprint(b)
+
+
+def test_lru_bounded_in_bytes():
+    cache = FeatureCache(max_bytes=3 * 400)
+    for i in range(5):
+        cache.put(f"k{i}", np.zeros(100, dtype=np.float32))  # 400 bytes each
+    assert cache.stats.bytes == 1200 and cache.stats.entries == 3 and cache.stats.evictions == 2
+    assert cache.get("k0") is None and cache.get("k4") is not None
+    cache.get("k2")  # touch: k3 becomes the oldest
+    cache.put("k5", np.zeros(100, dtype=np.float32))
+    assert "k3" not in cache and "k2" in cache
+    assert cache.stats.hits == 2 and cache.stats.misses == 1
+
+
+def test_oversized_value_not_cached_and_values_read_only():
+    cache = FeatureCache(max_bytes=100)
+    cache.put("big", np.zeros(1000, dtype=np.float32))
+    assert "big" not in cache
+    cache.put("small", np.zeros(4, dtype=np.float32))
+    with pytest.raises(ValueError):
+        cache.get("small")[0] = 1.0
+
+
+def test_negative_size_rejected():
+    with pytest.raises(ValueError, match="cache max_bytes must be >= 0"):
+        FeatureCache(-1)
