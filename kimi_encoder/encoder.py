@@ -142,6 +142,15 @@ class VisionEncoder:
         assert features.shape[0] == sum(counts), (tuple(features.shape), counts)
         return list(features.split(counts))
 
+    @torch.inference_mode()
+    def time_forward(self, side: int) -> None:
+        """Run tower and projector on one synthetic ``side x side``-patch image (calibration)."""
+        p = self.vision.patch_size
+        pixels = torch.zeros(side * side, 3, p, p, device=self.device)
+        self.model(pixels, [(1, side, side)])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def info(self) -> dict:
         v = self.vision
         return {
