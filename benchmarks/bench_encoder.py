@@ -83,7 +83,7 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
     """Our K2.5 tower vs transformers' on the same weights (a mid-size K2.5 shape)."""
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from reference_k25 import load_transformers_k25, transformers_features
+        from reference_k25 import load_reference, reference_features, write_transformers_config
     except ImportError as exc:
         return [f"| transformers comparison skipped: {exc} |"]
     vision = VisionConfig(
@@ -96,14 +96,16 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
     with tempfile.TemporaryDirectory() as tmp:
         root = write_checkpoint(Path(tmp), vision, preprocess, seed=0)
         ours = VisionEncoder.from_pretrained(root, device="cpu", backend="cpu")
-        ref = load_transformers_k25(root)
+        write_transformers_config(root, vision)
+        ref, _ = load_reference(root)
     items = [ours.plan(data) for data in images]
     pixels = ours.materialize(items)
     patches = sum(item.num_patches for item in items)
     cat, grids = torch.cat(pixels), torch.cat([item.grid_thws for item in items])
     per_ours, _ = timed(lambda: ours.forward(pixels, items), seconds)
-    per_ref, _ = timed(lambda: transformers_features(ref, cat, grids), seconds)
-    diff = (torch.cat(ours.forward(pixels, items)) - transformers_features(ref, cat, grids)).abs()
+    per_ref, _ = timed(lambda: reference_features(ref, cat, grids), seconds)
+    diff = (torch.cat(ours.forward(pixels, items)) - torch.cat(reference_features(ref, cat, grids)))
+    diff = diff.abs()
     return [
         _row("k25-mid", "tower + projector (ours)", len(items), patches, per_ours),
         _row("k25-mid", "tower + projector (transformers)", len(items), patches, per_ref),

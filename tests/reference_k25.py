@@ -72,19 +72,29 @@ def transformers_config(vision: VisionConfig) -> dict:
     }
 
 
+def write_transformers_config(checkpoint: Path, vision: VisionConfig) -> None:
+    """Replace ``config.json`` (the original layout) with transformers' ``kimi_k25`` one."""
+    text = json.dumps(transformers_config(vision), indent=2) + "\n"
+    (checkpoint / "config.json").write_text(text)
+
+
 @contextlib.contextmanager
 def _quiet_transformers():
     """Silence transformers' notes about the (absent) language-model weights."""
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
+    bars = hf_logging.is_progress_bar_enabled()
     hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             yield
     finally:
         hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def load_reference(checkpoint: str | Path):
@@ -117,11 +127,13 @@ def load_image_processor(preprocess: PreprocessConfig):
     """transformers' ``Kimi_K25ImageProcessor`` set to our ``media_proc_cfg``, or a skip reason.
 
     The processor is a torchvision backend; without an importable torchvision
-    it cannot run and the caller skips.
+    it cannot run and the caller skips. (PyPI's torchvision wheels are CUDA
+    builds whose C++ ops fail to load next to torch's ``+cpu`` build, so
+    importing one here raises RuntimeError, not ImportError.)
     """
     try:
         from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
-    except Exception as exc:  # torchvision absent, or a build that does not match torch
+    except (ImportError, RuntimeError) as exc:  # no torchvision, or one built for CUDA torch
         return None, f"Kimi_K25ImageProcessor needs torchvision ({type(exc).__name__}: {exc})"
     side = preprocess.patch_limit_on_one_side
     processor = Kimi_K25ImageProcessor(
@@ -133,7 +145,3 @@ def load_image_processor(preprocess: PreprocessConfig):
         image_std=list(preprocess.image_std),
     )
     return processor, None
-
-
-def write_transformers_config(checkpoint: Path, vision: VisionConfig) -> None:
-    (checkpoint / "config.json").write_text(json.dumps(transformers_config(vision), indent=2) + "\n")
