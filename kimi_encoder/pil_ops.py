@@ -13,9 +13,11 @@ How Pillow resamples, and how this module matches it bit for bit:
   downscaling) and normalises the taps to sum to one, all in float64. The
   coefficient tables are rebuilt here with the same float64 operations in the
   same order, so they are identical to Pillow's.
-* The horizontal pass runs first, then the vertical one; a pass is skipped
-  when its dimension keeps its size. Each pass stores its result in the
-  image's own pixel type, so the intermediate image is rounded and clipped.
+* A pass is skipped when its dimension keeps its size. The horizontal pass
+  runs first, unless (new in Pillow 13) the height shrinks by more than twice
+  as many pixels as the width does: then the vertical one does. Each pass
+  stores its result in the image's own pixel type, so the intermediate image
+  is rounded and clipped, and the order matters.
 * 8-bit images use fixed point: every coefficient becomes
   ``trunc(k * 2**22 +- 0.5)`` (``PRECISION_BITS = 32 - 8 - 2`` bits of
   fraction, leaving room for the sign and for the overshoot of the negative
@@ -33,7 +35,6 @@ How Pillow resamples, and how this module matches it bit for bit:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import accumulate, repeat
@@ -45,9 +46,7 @@ from PIL import Image, ImageMode
 PRECISION_BITS = 32 - 8 - 2
 """Fraction bits of Pillow's fixed-point coefficients for 8-bit images."""
 
-SUPPORTED_MODES = frozenset(
-    {"1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "I;16", "I", "F"}
-)
+SUPPORTED_MODES = frozenset({"1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK", "I;16", "I", "F"})
 _NEAREST_MODES = frozenset({"1", "P"})
 _PREMULTIPLIED_MODES = frozenset({"LA", "RGBA"})
 _GRAY_MODES = frozenset({"1", "L", "I;16", "I", "F"})
@@ -117,15 +116,19 @@ def resize_bicubic(raw: RawImage, size: tuple[int, int]) -> RawImage:
         raise ValueError("height and width must be > 0")
     if tuple(size) == raw.size:
         return raw
+    palette = raw.palette
     if raw.mode in _NEAREST_MODES:
         pixels = _resize_nearest(raw.pixels, width, height)
     elif raw.mode in _PREMULTIPLIED_MODES:
         pixels = _unpremultiply(_resample(_premultiply(raw.pixels), width, height))
     elif raw.mode in SUPPORTED_MODES:
         pixels = _resample(raw.pixels, width, height)
+        if raw.mode == "PA":
+            # Pillow's resampler does not copy the palette: the result's is empty (black).
+            palette = torch.zeros_like(raw.palette[:, :3])
     else:
         raise ValueError(f"Unsupported image mode: {raw.mode}")
-    return dataclasses.replace(raw, pixels=pixels)
+    return RawImage(pixels, raw.mode, palette, raw.transparency)
 
 
 def _resize_nearest(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -151,10 +154,13 @@ def _nearest_indices(in_size: int, out_size: int, device: torch.device) -> torch
 def _resample(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
     """Two-pass separable bicubic resampling in the pixels' own type."""
     x = pixels if pixels.dim() == 3 else pixels.unsqueeze(-1)
-    if width != x.shape[1]:
-        x = _resample_axis(x, 1, width)
-    if height != x.shape[0]:
-        x = _resample_axis(x, 0, height)
+    in_height, in_width = x.shape[:2]
+    passes = [(1, width), (0, height)]
+    if height < in_height and in_height - height > 2 * (in_width - width):
+        passes.reverse()  # Pillow 13 goes vertical first when height shrinks much more
+    for dim, out_size in passes:
+        if out_size != x.shape[dim]:
+            x = _resample_axis(x, dim, out_size)
     return x.reshape(height, width, *pixels.shape[2:])
 
 
@@ -166,7 +172,7 @@ def _resample_axis(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
     if x.dtype == torch.uint8:
         weights = _to_fixed_point(weights)
         source = x.to(torch.int32)
-        acc: torch.Tensor | int = 1 << (PRECISION_BITS - 1)
+        acc: torch.Tensor | float = 1 << (PRECISION_BITS - 1)
     else:
         source = x.to(torch.float64)
         acc = 0.0
@@ -287,9 +293,9 @@ def to_rgb(raw: RawImage, bg_config: dict | None) -> torch.Tensor:
         return rgb
     height, width = rgb.shape[:2]
     background = _background(bg_config, height, width, rgb.device).float()
-    a = alpha.unsqueeze(-1).float() / torch.full((), 255.0, device=rgb.device)
     # A device tensor as divisor: CUDA turns division by a host scalar into a
     # multiplication by its reciprocal, which is not always correctly rounded.
+    a = alpha.unsqueeze(-1).float() / torch.full((), 255.0, device=rgb.device)
     out = a * rgb.float() + (1 - a) * background
     return out.clamp(0, 255).to(torch.uint8)
 

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from . import pil_ops
 from .items import DeferredPreprocessing, EncoderInputError, unsupported_backend
 
 Materialized = tuple[torch.Tensor, tuple[int, int, int]]
@@ -114,8 +115,6 @@ def preprocess_cpu(img: Image.Image, cfg: DeferredPreprocessing, patch: int) -> 
 def preprocess_gpu(
     img: Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
 ) -> Materialized:
-    from . import pil_ops
-
     rc = cfg.resize_config
     bg = cfg.transparent_bg_config
     raw = pil_ops.raw_from_pil(img, device=device)
