@@ -1,6 +1,7 @@
 """``EncodeServer``: the HTTP ingress (FastAPI). Admits, assigns owners, fans out, gathers."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: Serve's class-based FastAPI view re-signs the
+# route methods and needs real annotation objects (a string `Request` became a query field).
 
 import asyncio
 import base64
@@ -16,7 +17,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayTaskError
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from safetensors.numpy import save as save_safetensors
 from starlette.datastructures import UploadFile
@@ -51,17 +53,27 @@ _ERRORS = {
     415: {"model": ErrorResponse, "description": "Body is neither JSON nor multipart."},
     422: {"model": ErrorResponse, "description": "Malformed body."},
     500: {"model": ErrorResponse, "description": "Encoder failure."},
+    503: {"model": ErrorResponse, "description": "A rank is unavailable or busy: retry."},
 }
 _MULTIPART_SCHEMA = {
     "type": "object",
     "required": ["image"],
     "properties": {
-        "image": {"type": "array", "items": {"type": "string", "format": "binary"},
-                  "description": "One or more image files (repeat the field)."},
+        "image": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "description": "One or more image files (repeat the field).",
+        },
         "response_format": {"type": "string", "enum": ["json", "safetensors"], "default": "json"},
         "backend": {"type": "string", "enum": ["gpu", "cpu"]},
     },
 }
+# A rank died, is being replaced, or its queue is full: the client should retry.
+_UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError)
+_SAFETENSORS_DOC = (
+    "safetensors file: features.{i} float32, grid_thw.{i} int64 [1, 3]; "
+    "metadata 'owner_ranks' (JSON list) and 'model'."
+)
 _FORM_FIELDS = {"image", "response_format", "backend"}
 
 
@@ -73,7 +85,7 @@ def _validation_message(exc: ValidationError | RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "image", "other"))
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+        parts.append(f"{loc or 'body'}: {str(err.get('msg')).rstrip('.')}")
     return "; ".join(parts) + ". See /docs for the request schema."
 
 
@@ -82,6 +94,60 @@ async def _on_request_validation(_: Request, exc: RequestValidationError) -> JSO
     return error_response(422, "validation_error", _validation_message(exc))
 
 
+class _UnsupportedMedia(EncoderInputError):
+    def __init__(self, kind: str):
+        super().__init__(
+            f"Content-Type {kind!r} is not supported; send application/json (EncodeRequest) "
+            "or multipart/form-data with 'image' files."
+        )
+
+
+class _FormError(EncoderInputError):
+    """A malformed multipart body (HTTP 422)."""
+
+
+def _form_error(message: str) -> _FormError:
+    return _FormError(message + ".")
+
+
+def _input_error(exc: EncoderInputError) -> JSONResponse:
+    if isinstance(exc, LimitExceededError):
+        return error_response(413, "limit_exceeded", str(exc))
+    if isinstance(exc, _UnsupportedMedia):
+        return error_response(415, "unsupported_media_type", str(exc))
+    if isinstance(exc, _FormError):
+        return error_response(422, "validation_error", str(exc))
+    return error_response(400, "invalid_request", str(exc))
+
+
+def _with_request_schemas(app: FastAPI) -> None:
+    """Make ``app.openapi()`` add the request models that the raw-Request route reads by hand.
+
+    A closure over ``app`` (not the module global), so the copy that serve.ingress
+    freezes documents its own routes.
+    """
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            request = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(request.pop("$defs", {}))
+            components["EncodeRequest"] = request
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_with_request_schemas(api)
+
+
+# The class comes last: serve.ingress freezes (cloudpickles) the FastAPI app and its
+# routes when it decorates, so every helper and the openapi override must exist by then.
+@serve.ingress(api)
 class EncodeServer:
     """Ingress: admission and owner assignment here, encoding on the owner ranks."""
 
@@ -98,16 +164,28 @@ class EncodeServer:
         response_model=EncodeResponse,
         summary="Encode images into LLM-space features",
         responses={
-            200: {"content": {"application/octet-stream": {"schema": {
-                "type": "string", "format": "binary",
-                "description": "safetensors file: features.{i} float32, grid_thw.{i} int64 "
-                "[1, 3]; metadata 'owner_ranks' (JSON list) and 'model'."}}}},
+            200: {
+                "content": {
+                    "application/octet-stream": {
+                        "schema": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": _SAFETENSORS_DOC,
+                        }
+                    }
+                }
+            },
             **_ERRORS,
         },
-        openapi_extra={"requestBody": {"required": True, "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
-            "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
-        }}},
+        openapi_extra={
+            "requestBody": {
+                "required": True,
+                "content": {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
+                    "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
+                },
+            }
+        },
     )
     async def encode(self, request: Request) -> Response:
         """JSON (``EncodeRequest``) or multipart upload (``image`` files); see docs/api.md."""
@@ -125,6 +203,13 @@ class EncodeServer:
             cause = exc.cause if isinstance(exc, RayTaskError) else exc
             if isinstance(cause, EncoderInputError):
                 return _input_error(cause)
+            if isinstance(cause, _UNAVAILABLE):
+                return error_response(
+                    503,
+                    "unavailable",
+                    f"an encoder rank is unavailable ({type(cause).__name__}: "
+                    f"{cause}); retry the request with backoff.",
+                )
             log.exception("encode failed")
             return error_response(500, "internal_error", f"{type(cause).__name__}: {cause}")
         done = time.perf_counter()
@@ -190,8 +275,10 @@ class EncodeServer:
                 raise _form_error(f"unknown form fields {unknown}; allowed: {sorted(_FORM_FIELDS)}")
             uploads = form.getlist("image")
             if not uploads or not all(isinstance(u, UploadFile) for u in uploads):
-                raise _form_error("send one or more files in the 'image' field "
-                                  "(curl -F image=@a.png -F image=@b.jpg)")
+                raise _form_error(
+                    "send one or more files in the 'image' field "
+                    "(curl -F image=@a.png -F image=@b.jpg)"
+                )
             files = [await u.read() for u in uploads]
             options = {k: form.get(k) for k in ("response_format", "backend")}
         fmt = options["response_format"] or "json"
@@ -215,36 +302,51 @@ class EncodeServer:
         results = await asyncio.gather(*calls)
         features: list[np.ndarray | None] = [None] * len(items)
         rank_ms: dict[int, float] = {}
-        for (rank, idx), result in zip(groups.items(), results):
+        for (rank, idx), result in zip(groups.items(), results, strict=True):
             assert result["rank"] == rank and len(result["features"]) == len(idx), (rank, idx)
             rank_ms[rank] = result["encode_ms"]
-            for i, array in zip(idx, result["features"]):
+            for i, array in zip(idx, result["features"], strict=True):
                 features[i] = array
         merge, width = self.vision.merge_kernel_size[0], self.vision.text_hidden_size
-        for i, (item, array) in enumerate(zip(items, features)):
+        for i, (item, array) in enumerate(zip(items, features, strict=True)):
             expected = (item.num_tokens(merge), width)
             if array is None or tuple(array.shape) != expected:
                 got = None if array is None else tuple(array.shape)
-                raise RuntimeError(f"item {i}: rank {owners[i]} returned {got}, grid needs {expected}")
+                raise RuntimeError(
+                    f"item {i}: rank {owners[i]} returned {got}, grid needs {expected}"
+                )
         return features, owners, rank_ms  # type: ignore[return-value]
 
     def _json(self, admitted, features, owners, timings, started) -> dict[str, Any]:
         out = []
-        for i, (item, array, owner) in enumerate(zip(admitted.items, features, owners)):
+        for i, (item, array, owner) in enumerate(
+            zip(admitted.items, features, owners, strict=True)
+        ):
             data = np.ascontiguousarray(array, dtype="<f4").tobytes()
-            out.append(ItemFeatures(
-                index=i, grid_thw=list(item.grid), num_tokens=array.shape[0], owner_rank=owner,
-                shape=list(array.shape), data=base64.b64encode(data).decode("ascii"),
-            ).model_dump())
-        usage = Usage(images=len(out), patches=admitted.patches,
-                      tokens=sum(a.shape[0] for a in features))
+            out.append(
+                ItemFeatures(
+                    index=i,
+                    grid_thw=list(item.grid),
+                    num_tokens=array.shape[0],
+                    owner_rank=owner,
+                    shape=list(array.shape),
+                    data=base64.b64encode(data).decode("ascii"),
+                ).model_dump()
+            )
+        usage = Usage(
+            images=len(out), patches=admitted.patches, tokens=sum(a.shape[0] for a in features)
+        )
         timings["total"] = (time.perf_counter() - started) * 1e3
-        return {"model": self.model_name, "items": out, "usage": usage.model_dump(),
-                "timings_ms": {k: round(v, 3) for k, v in timings.items()}}
+        return {
+            "model": self.model_name,
+            "items": out,
+            "usage": usage.model_dump(),
+            "timings_ms": {k: round(v, 3) for k, v in timings.items()},
+        }
 
     def _safetensors(self, admitted, features, owners) -> bytes:
         tensors: dict[str, np.ndarray] = {}
-        for i, (item, array) in enumerate(zip(admitted.items, features)):
+        for i, (item, array) in enumerate(zip(admitted.items, features, strict=True)):
             tensors[f"features.{i}"] = np.ascontiguousarray(array, dtype=np.float32)
             tensors[f"grid_thw.{i}"] = np.asarray([item.grid], dtype=np.int64)
         meta = {"model": self.model_name, "owner_ranks": json.dumps(owners)}
@@ -255,46 +357,3 @@ class EncodeServer:
             return await asyncio.wait_for(self.ranks[rank].info.remote(), timeout=10)
         except Exception as exc:  # noqa: BLE001 - a sick rank is reported, not raised
             return {"rank": rank, "state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
-
-
-class _UnsupportedMedia(EncoderInputError):
-    def __init__(self, kind: str):
-        super().__init__(
-            f"Content-Type {kind!r} is not supported; send application/json (EncodeRequest) "
-            "or multipart/form-data with 'image' files."
-        )
-
-
-class _FormError(EncoderInputError):
-    """A malformed multipart body (HTTP 422)."""
-
-
-def _form_error(message: str) -> _FormError:
-    return _FormError(message + ".")
-
-
-def _input_error(exc: EncoderInputError) -> JSONResponse:
-    if isinstance(exc, LimitExceededError):
-        return error_response(413, "limit_exceeded", str(exc))
-    if isinstance(exc, _UnsupportedMedia):
-        return error_response(415, "unsupported_media_type", str(exc))
-    if isinstance(exc, _FormError):
-        return error_response(422, "validation_error", str(exc))
-    return error_response(400, "invalid_request", str(exc))
-
-
-def _openapi() -> dict[str, Any]:
-    """FastAPI's schema plus the request models that the raw-Request route reads by hand."""
-    if api.openapi_schema is None:
-        schema = get_openapi(title=api.title, version=api.version,
-                             description=api.description, routes=api.routes)
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        request = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-        components.update(request.pop("$defs", {}))
-        components["EncodeRequest"] = request
-        api.openapi_schema = schema
-    return api.openapi_schema
-
-
-api.openapi = _openapi  # type: ignore[method-assign]
-ingress = serve.ingress(api)

@@ -45,8 +45,13 @@ class EncoderRank:
         self.calls = 0
         self.items = 0
         self.patches = 0
-        log.info("rank %d ready: %s on %s in %.1f s", rank, self.encoder.name,
-                 self.encoder.device, self.load_s)
+        log.info(
+            "rank %d ready: %s on %s in %.1f s",
+            rank,
+            self.encoder.name,
+            self.encoder.device,
+            self.load_s,
+        )
 
     def encode(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> dict:
         """Features of ``items`` (one contiguous float32 array each, input order).
@@ -62,7 +67,9 @@ class EncoderRank:
             features = self.encoder.encode(items)
         except EncoderInputError as exc:
             raise EncoderInputError(str(exc), self._culprit(indices, items)) from None
-        arrays = [np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features]
+        arrays = [
+            np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features
+        ]
         return {
             "rank": self.rank,
             "features": arrays,
@@ -71,7 +78,7 @@ class EncoderRank:
 
     def _culprit(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> int | None:
         """Request index of the first item whose pixels cannot be materialized (error path only)."""
-        for index, item in zip(indices, items):
+        for index, item in zip(indices, items, strict=True):
             try:
                 self.encoder.materialize([item])
             except EncoderInputError:

@@ -81,8 +81,9 @@ class EncodeRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
         json_schema_extra={
-            "examples": [{"items": [{"type": "image", "image": _PNG_1X1}],
-                          "response_format": "json"}]
+            "examples": [
+                {"items": [{"type": "image", "image": _PNG_1X1}], "response_format": "json"}
+            ]
         },
     )
 
@@ -114,13 +115,28 @@ class Usage(BaseModel):
 class EncodeResponse(BaseModel):
     """JSON answer of ``POST /v1/encode``."""
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{
-        "model": "preset:tiny",
-        "items": [{"index": 0, "grid_thw": [1, 2, 2], "num_tokens": 1, "owner_rank": 0,
-                   "shape": [1, 80], "dtype": "float32", "data": "AAAAAA..."}],
-        "usage": {"images": 1, "patches": 4, "tokens": 1},
-        "timings_ms": {"admit": 0.4, "encode": 12.1, "total": 13.0, "rank_0": 10.2},
-    }]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "preset:tiny",
+                    "items": [
+                        {
+                            "index": 0,
+                            "grid_thw": [1, 2, 2],
+                            "num_tokens": 1,
+                            "owner_rank": 0,
+                            "shape": [1, 80],
+                            "dtype": "float32",
+                            "data": "AAAAAA...",
+                        }
+                    ],
+                    "usage": {"images": 1, "patches": 4, "tokens": 1},
+                    "timings_ms": {"admit": 0.4, "encode": 12.1, "total": 13.0, "rank_0": 10.2},
+                }
+            ]
+        }
+    )
 
     model: str = Field(description="Checkpoint name, or 'preset:NAME'.")
     items: list[ItemFeatures] = Field(description="One entry per image, in request order.")
@@ -136,14 +152,27 @@ class ErrorBody(BaseModel):
     message: str = Field(description="What was received, what is allowed and how to fix it.")
 
 
+_VIDEO_ERROR = (
+    "item 0: Kimi-K3 encoder mode supports image input only; got modality 'video'. "
+    "Send each image as an item of type 'image' and encode other media elsewhere."
+)
+
+
 class ErrorResponse(BaseModel):
     error: ErrorBody
 
-    model_config = ConfigDict(json_schema_extra={"examples": [{"error": {
-        "type": "invalid_request",
-        "message": "item 0: Kimi-K3 encoder mode supports image input only; got modality "
-        "'video'. Send each image as an item of type 'image' and encode other media elsewhere.",
-    }}]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "error": {
+                        "type": "invalid_request",
+                        "message": _VIDEO_ERROR,
+                    }
+                }
+            ]
+        }
+    )
 
 
 class RankInfo(BaseModel):

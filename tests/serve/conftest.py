@@ -1,0 +1,60 @@
+"""Real Ray Serve apps on CPU over real HTTP on free ports (no mocks).
+
+One Ray cluster and one Serve instance per session; each app (a dp size) is
+deployed once, on first use, under its own name and route prefix, and shared
+by every test that asks for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+from ray import serve
+from serve_helpers import FAST_SHUTDOWN, IMAGE_SPECS, LIMITS, free_port, make_image
+
+from deployments.app import bind_app
+from deployments.args import AppArgs
+from kimi_encoder.encoder import VisionEncoder
+
+
+@pytest.fixture(scope="session")
+def images() -> list[bytes]:
+    return [make_image(*spec) for spec in IMAGE_SPECS]
+
+
+@pytest.fixture(scope="session")
+def reference() -> VisionEncoder:
+    """The in-process encoder the ranks must reproduce (same preset, seed and backend)."""
+    return VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float32", backend="cpu")
+
+
+@pytest.fixture(scope="session")
+def serve_url() -> Iterator[str]:
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
+    """``deploy(dp_size)`` -> base URL of a running app with that many ranks."""
+    apps: dict[int, str] = {}
+
+    def _deploy(dp_size: int) -> str:
+        if dp_size not in apps:
+            name = f"dp{dp_size}"
+            args = AppArgs(dp_size=dp_size, device="cpu", preprocess_backend="cpu", **LIMITS)
+            serve.run(bind_app(args, FAST_SHUTDOWN), name=name, route_prefix=f"/{name}")
+            apps[dp_size] = f"{serve_url}/{name}"
+        return apps[dp_size]
+
+    yield _deploy
+    for dp_size in apps:
+        serve.delete(f"dp{dp_size}")

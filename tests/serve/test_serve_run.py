@@ -1,0 +1,82 @@
+"""End to end as a user runs it: `serve run configs/config.yaml`, curl-like requests, Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+from serve_helpers import b64, free_port
+
+pytestmark = pytest.mark.serve
+
+ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 180
+
+
+def wait_ready(url: str, process: subprocess.Popen, log: Path) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < STARTUP_TIMEOUT_S:
+        if process.poll() is not None:
+            pytest.fail(f"serve run exited with {process.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except (requests.ConnectionError, requests.Timeout):  # proxy or route not up yet
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
+
+
+def test_serve_run_config(tmp_path, images):
+    port = free_port()
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    config["http_options"]["port"] = port
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    log = tmp_path / "serve.log"
+    # RAY_ADDRESS=local: a cluster of its own, even while the test session holds one.
+    env = {**os.environ, "RAY_ADDRESS": "local"}
+    serve_bin = Path(sys.executable).parent / "serve"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(serve_bin), "run", str(config_path)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        startup_s = wait_ready(url, process, log)
+        print(f"\nserve run configs/config.yaml: ready in {startup_s:.1f} s")
+        response = requests.post(
+            f"{url}/v1/encode",
+            json={"items": [{"type": "image", "image": b64(b)} for b in images[:3]]},
+            timeout=120,
+        )
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert [i["index"] for i in body["items"]] == [0, 1, 2]
+        # The big image (index 1) goes to rank 0, the two small ones to rank 1.
+        assert [i["owner_rank"] for i in body["items"]] == [1, 0, 1]
+        assert body["usage"]["images"] == 3 and body["items"][0]["shape"][1] == 80
+        info = requests.get(f"{url}/v1/info", timeout=30).json()
+        assert info["dp_size"] == 2 and [r["calls"] for r in info["ranks"]] == [1, 1]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            code = process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+    assert code == 0, log.read_text()[-4000:]
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{url}/healthz", timeout=2)
