@@ -28,8 +28,16 @@ from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
 
 # A fixed mix: photo-like RGB of several sizes, one RGBA, one palette image.
-MIX = [("RGB", (640, 480)), ("RGB", (1024, 768)), ("RGB", (320, 240)), ("RGBA", (500, 500)),
-       ("P", (400, 300)), ("RGB", (1920, 1080)), ("L", (256, 256)), ("RGB", (800, 200))]
+MIX = [
+    ("RGB", (640, 480)),
+    ("RGB", (1024, 768)),
+    ("RGB", (320, 240)),
+    ("RGBA", (500, 500)),
+    ("P", (400, 300)),
+    ("RGB", (1920, 1080)),
+    ("L", (256, 256)),
+    ("RGB", (800, 200)),
+]
 
 
 def make_mix(seed: int = 0) -> list[bytes]:
@@ -65,12 +73,14 @@ def timed(fn, seconds: float) -> tuple[float, int]:
 
 def bench_preset(name: str, images: list[bytes], seconds: float) -> list[str]:
     rows = []
-    encoders = {b: VisionEncoder.from_pretrained(name, device="cpu", backend=b) for b in ("cpu", "gpu")}
+    encoders = {
+        b: VisionEncoder.from_pretrained(name, device="cpu", backend=b) for b in ("cpu", "gpu")
+    }
     items = [encoders["cpu"].plan(data) for data in images]
     patches = sum(item.num_patches for item in items)
     for backend, enc in encoders.items():
         its = [enc.plan(data) for data in images]
-        per, _ = timed(lambda: enc.materialize(its), seconds)
+        per, _ = timed(lambda enc=enc, its=its: enc.materialize(its), seconds)
         rows.append(_row(name, f"preprocess ({backend} backend)", len(its), patches, per))
     enc = encoders["cpu"]
     pixels = enc.materialize(items)
@@ -87,10 +97,21 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
     except ImportError as exc:
         return [f"| transformers comparison skipped: {exc} |"]
     vision = VisionConfig(
-        hidden_size=384, num_layers=6, num_heads=6, qkv_hidden_size=384, intermediate_size=1536,
-        pos_emb_height=64, pos_emb_width=64, mm_hidden_size=384, text_hidden_size=1024,
-        norm_type="layernorm", attn_bias=True, linear_bias=True, patch_embed_proj_bias=True,
-        pos_emb_interpolation_mode="bicubic", projector_type="patchmerger",
+        hidden_size=384,
+        num_layers=6,
+        num_heads=6,
+        qkv_hidden_size=384,
+        intermediate_size=1536,
+        pos_emb_height=64,
+        pos_emb_width=64,
+        mm_hidden_size=384,
+        text_hidden_size=1024,
+        norm_type="layernorm",
+        attn_bias=True,
+        linear_bias=True,
+        patch_embed_proj_bias=True,
+        pos_emb_interpolation_mode="bicubic",
+        projector_type="patchmerger",
     )
     preprocess = PreprocessConfig(in_patch_limit=4096, patch_limit_on_one_side=128)
     with tempfile.TemporaryDirectory() as tmp:
@@ -104,7 +125,7 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
     cat, grids = torch.cat(pixels), torch.cat([item.grid_thws for item in items])
     per_ours, _ = timed(lambda: ours.forward(pixels, items), seconds)
     per_ref, _ = timed(lambda: reference_features(ref, cat, grids), seconds)
-    diff = (torch.cat(ours.forward(pixels, items)) - torch.cat(reference_features(ref, cat, grids)))
+    diff = torch.cat(ours.forward(pixels, items)) - torch.cat(reference_features(ref, cat, grids))
     diff = diff.abs()
     return [
         _row("k25-mid", "tower + projector (ours)", len(items), patches, per_ours),
@@ -115,8 +136,10 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
 
 
 def _row(preset: str, stage: str, images: int, patches: int, per_call: float) -> str:
-    return (f"| {preset} | {stage} | {images / per_call:.1f} img/s | "
-            f"{patches / per_call:.0f} patches/s | {per_call * 1e3:.1f} ms/batch |")
+    return (
+        f"| {preset} | {stage} | {images / per_call:.1f} img/s | "
+        f"{patches / per_call:.0f} patches/s | {per_call * 1e3:.1f} ms/batch |"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,10 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     images = make_mix()
-    print(f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"torch {torch.__version__}, {args.threads} threads, CPU tensors")
-    print(f"# image mix ({len(MIX)} images, one batch): "
-          + ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX))
+    print(
+        f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+        f"torch {torch.__version__}, {args.threads} threads, CPU tensors"
+    )
+    print(
+        f"# image mix ({len(MIX)} images, one batch): "
+        + ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX)
+    )
     print("| preset | stage | images/s | patches/s | latency |")
     print("|---|---|---|---|---|")
     for name in args.presets:

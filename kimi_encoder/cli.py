@@ -30,7 +30,7 @@ def _encode(args: argparse.Namespace) -> int:
         items.append(item)
     features = encoder.forward(pixels, items)
     tensors: dict[str, torch.Tensor] = {}
-    for i, (path, item) in enumerate(zip(args.images, items)):
+    for i, (path, item) in enumerate(zip(args.images, items, strict=True)):
         tensors[f"features.{i}"] = features[i].float().cpu().contiguous()
         tensors[f"grid_thw.{i}"] = item.grid_thws.clone()
         if args.save_pixels:
@@ -54,14 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     enc = sub.add_parser("encode", help="encode images to a .safetensors file")
-    enc.add_argument("--checkpoint", default="tiny",
-                     help=f"checkpoint directory or preset ({', '.join(PRESETS)})")
+    enc.add_argument(
+        "--checkpoint",
+        default="tiny",
+        help=f"checkpoint directory or preset ({', '.join(PRESETS)})",
+    )
     enc.add_argument("--backend", default="auto", help="preprocessing backend: cpu, gpu or auto")
     enc.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
     enc.add_argument("--dtype", default="float32", choices=list(DTYPES))
     enc.add_argument("--out", required=True, help="output .safetensors file")
-    enc.add_argument("--save-pixels", action="store_true",
-                     help="also write pixel_values.{i} (float32 [patches, 3, 14, 14])")
+    enc.add_argument(
+        "--save-pixels",
+        action="store_true",
+        help="also write pixel_values.{i} (float32 [patches, 3, 14, 14])",
+    )
     enc.add_argument("images", nargs="+", help="image files; i is the position on this line")
     enc.set_defaults(func=_encode)
 

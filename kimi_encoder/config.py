@@ -225,7 +225,12 @@ class PreprocessConfig:
                     f"Invalid background pattern: {pattern}; allowed: "
                     f"{', '.join(BACKGROUND_PATTERNS)}. Fix transparent_bg_config.pattern."
                 )
-        for name in ("patch_size", "merge_kernel_size", "in_patch_limit", "patch_limit_on_one_side"):
+        for name in (
+            "patch_size",
+            "merge_kernel_size",
+            "in_patch_limit",
+            "patch_limit_on_one_side",
+        ):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}.")
 
@@ -278,9 +283,15 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "tiny",
             VisionConfig(
-                hidden_size=64, num_layers=2, num_heads=4, qkv_hidden_size=96,
-                intermediate_size=128, pos_emb_height=16, pos_emb_width=16,
-                mm_hidden_size=64, text_hidden_size=80,
+                hidden_size=64,
+                num_layers=2,
+                num_heads=4,
+                qkv_hidden_size=96,
+                intermediate_size=128,
+                pos_emb_height=16,
+                pos_emb_width=16,
+                mm_hidden_size=64,
+                text_hidden_size=80,
             ),
             PreprocessConfig(in_patch_limit=1024, patch_limit_on_one_side=64),
             "K3-shaped, 2 layers of width 64: CPU tests and demos",
@@ -288,9 +299,15 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "small",
             VisionConfig(
-                hidden_size=384, num_layers=6, num_heads=4, qkv_hidden_size=512,
-                intermediate_size=1536, pos_emb_height=64, pos_emb_width=64,
-                mm_hidden_size=384, text_hidden_size=1024,
+                hidden_size=384,
+                num_layers=6,
+                num_heads=4,
+                qkv_hidden_size=512,
+                intermediate_size=1536,
+                pos_emb_height=64,
+                pos_emb_width=64,
+                mm_hidden_size=384,
+                text_hidden_size=1024,
             ),
             PreprocessConfig(in_patch_limit=4096, patch_limit_on_one_side=128),
             "K3-shaped mid-size model (~12M parameters): CPU benchmarks",

@@ -81,7 +81,9 @@ class VisionEncoder:
         if str(checkpoint) in PRESETS:
             log.warning(
                 "Preset %r uses seeded random weights (seed %d): its features are meaningless; "
-                "pass a checkpoint directory for real ones.", str(checkpoint), seed,
+                "pass a checkpoint directory for real ones.",
+                str(checkpoint),
+                seed,
             )
             model = random_model(vision, seed, dev, dt)
         else:
@@ -107,8 +109,10 @@ class VisionEncoder:
                     )
             else:
                 if item.deferred is None or item.image is None:
-                    raise ValueError("an image item needs encoded image bytes and its deferred "
-                                     "preprocessing record; build it with plan_image().")
+                    raise ValueError(
+                        "an image item needs encoded image bytes and its deferred "
+                        "preprocessing record; build it with plan_image()."
+                    )
                 backend = item.deferred.backend
                 pixels, grid = pp.preprocess(item.image, item.deferred, patch, self.device)
                 if grid != item.grid:

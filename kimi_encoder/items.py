@@ -57,8 +57,10 @@ def unsupported_backend(backend: Any) -> ValueError:
 def resolve_backend(backend: str, device: torch.device | str | None = None) -> str:
     """Configuration-level backend: 'auto' picks 'gpu' on a CUDA device, else 'cpu'."""
     if backend == "auto":
-        on_cuda = torch.device(device).type == "cuda" if device is not None else (
-            torch.cuda.is_available()
+        on_cuda = (
+            torch.device(device).type == "cuda"
+            if device is not None
+            else (torch.cuda.is_available())
         )
         return "gpu" if on_cuda else "cpu"
     if backend not in BACKENDS:

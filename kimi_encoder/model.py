@@ -84,8 +84,9 @@ def rope_2d(grids: Sequence[Grid], head_dim: int, theta: float, device) -> torch
     Frequencies ``1/theta^(k/head_dim)`` for k = 0, 4, 8, ...; a patch at
     (y, x) gets ``[cis(x f0), cis(y f0), cis(x f1), cis(y f1), ...]``.
     """
-    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 4, device=device)[: head_dim // 4]
-                             .float() / head_dim))
+    freqs = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 4, device=device)[: head_dim // 4].float() / head_dim)
+    )
     out = []
     for t, h, w in grids:
         ys = torch.arange(h, device=device).float().repeat_interleave(w)
@@ -130,7 +131,7 @@ class Block(nn.Module):
         q, k, v = qkv.unbind(1)  # each (N, heads, head_dim)
         q, k = apply_rope(q, cis), apply_rope(k, cis)
         out = []
-        for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments)):
+        for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments), strict=True):
             o = F.scaled_dot_product_attention(
                 qs.transpose(0, 1).unsqueeze(0),
                 ks.transpose(0, 1).unsqueeze(0),
@@ -182,7 +183,7 @@ def merge_patches(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int
     """
     kh, kw = kernel
     out = []
-    for seq, (t, h, w) in zip(x.split([t * h * w for t, h, w in grids]), grids):
+    for seq, (t, h, w) in zip(x.split([t * h * w for t, h, w in grids]), grids, strict=True):
         seq = seq.view(t, h // kh, kh, w // kw, kw, -1).permute(0, 1, 3, 2, 4, 5)
         seq = seq[0] if t == 1 else seq.mean(dim=0)
         out.append(seq.reshape((h // kh) * (w // kw), kh * kw, -1))

@@ -57,7 +57,9 @@ def read_vision_tensors(root: str | Path) -> dict[str, torch.Tensor]:
     for shard, keys in sorted(vision_shards(root).items()):
         path = root / shard
         if not path.is_file():
-            raise CheckpointError(f"Shard {shard!r} listed for vision weights is missing in {root}.")
+            raise CheckpointError(
+                f"Shard {shard!r} listed for vision weights is missing in {root}."
+            )
         with safe_open(path, framework="pt") as f:
             for key in keys:
                 tensors[key] = f.get_tensor(key)
@@ -153,7 +155,8 @@ def write_checkpoint(
     model_type = "kimi_k3" if vision.variant == "k3" else "kimi_k25"
     config = {
         "architectures": [
-            "KimiK3ForConditionalGeneration" if vision.variant == "k3"
+            "KimiK3ForConditionalGeneration"
+            if vision.variant == "k3"
             else "KimiK25ForConditionalGeneration"
         ],
         "model_type": model_type,

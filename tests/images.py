@@ -7,8 +7,21 @@ import io
 import numpy as np
 from PIL import Image
 
-MODES = ("1", "L", "LA", "P", "P+trns", "PA-palette", "RGB", "RGB+trns", "RGBA", "CMYK",
-         "I;16", "I", "F")
+MODES = (
+    "1",
+    "L",
+    "LA",
+    "P",
+    "P+trns",
+    "PA-palette",
+    "RGB",
+    "RGB+trns",
+    "RGBA",
+    "CMYK",
+    "I;16",
+    "I",
+    "F",
+)
 
 
 def _base(size: tuple[int, int], seed: int) -> np.ndarray:

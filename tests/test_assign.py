@@ -19,8 +19,18 @@ from kimi_encoder.assign import assign_owners, group_by_owner
         ([3, 3], 2, [10, 0], [1, 1]),  # outstanding load counts
         ([3], 3, [1, 0, 0], [1]),
     ],
-    ids=["none", "reference", "vllm-example", "one-image", "fewer-than-ranks", "one-rank",
-         "ties", "one-huge", "loaded", "loaded-tie"],
+    ids=[
+        "none",
+        "reference",
+        "vllm-example",
+        "one-image",
+        "fewer-than-ranks",
+        "one-rank",
+        "ties",
+        "one-huge",
+        "loaded",
+        "loaded-tie",
+    ],
 )
 def test_assign_owners(costs, ranks, loads, owners):
     assert assign_owners(costs, ranks, loads) == owners

@@ -12,18 +12,31 @@ from kimi_encoder.cli import main
 def test_encode_matches_library(oracle_dir, oracle_encoder, tmp_path):
     images = sorted(str(p) for p in (oracle_dir / "images").iterdir())
     out = tmp_path / "out.safetensors"
-    args = ["encode", "--checkpoint", str(oracle_dir / "checkpoint"), "--backend", "cpu",
-            "--device", "cpu", "--out", str(out), "--save-pixels", *images]
+    args = [
+        "encode",
+        "--checkpoint",
+        str(oracle_dir / "checkpoint"),
+        "--backend",
+        "cpu",
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--save-pixels",
+        *images,
+    ]
     assert main(args) == 0
     got = load_file(str(out))
     expected = load_file(str(oracle_dir / "expected.safetensors"))
     for i in range(len(images)):
         assert got[f"grid_thw.{i}"].dtype == torch.int64
         assert torch.equal(got[f"grid_thw.{i}"], expected[f"grid_thw.{i}"])
-        torch.testing.assert_close(got[f"pixel_values.{i}"], expected[f"pixel_values.{i}"],
-                                   atol=1e-6, rtol=0)
-        torch.testing.assert_close(got[f"features.{i}"], expected[f"features.{i}"],
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            got[f"pixel_values.{i}"], expected[f"pixel_values.{i}"], atol=1e-6, rtol=0
+        )
+        torch.testing.assert_close(
+            got[f"features.{i}"], expected[f"features.{i}"], atol=1e-4, rtol=0
+        )
 
 
 def test_bad_file_names_it(tmp_path, capsys):

@@ -14,7 +14,7 @@ from kimi_encoder.encoder import VisionEncoder
 def test_fit_recovers_coefficients(a, b, c):
     samples = [(p, a * p * p + b * p + c) for p in (16, 64, 256, 1024, 4096)]
     m = CostModel.fit(samples)
-    for got, want in zip((m.a, m.b, m.c), (a, b, c)):
+    for got, want in zip((m.a, m.b, m.c), (a, b, c), strict=True):
         assert got == pytest.approx(want, rel=1e-6, abs=1e-15)
 
 

@@ -21,14 +21,14 @@ def encoder(tiny_checkpoint):
 def _items(encoder):
     return [
         encoder.plan(image_bytes(mode, size, seed=i))
-        for i, (mode, size) in enumerate(zip(MODES, SIZES))
+        for i, (mode, size) in enumerate(zip(MODES, SIZES, strict=True))
     ]
 
 
 def test_batching_is_invisible(encoder):
     items = _items(encoder)
     batched = encoder.encode(items)
-    for item, features in zip(items, batched):
+    for item, features in zip(items, batched, strict=True):
         (single,) = encoder.encode([item])
         assert features.shape == single.shape == (item.num_tokens(2), 80)
         torch.testing.assert_close(features, single, atol=1e-5, rtol=0)
@@ -38,7 +38,7 @@ def test_batching_is_invisible(encoder):
 def test_low_precision_close_to_float32(tiny_checkpoint, encoder, dtype):
     low = VisionEncoder.from_pretrained(tiny_checkpoint, device="cpu", dtype=dtype, backend="cpu")
     items = _items(encoder)[:3]
-    for ref, got in zip(encoder.encode(items), low.encode(items)):
+    for ref, got in zip(encoder.encode(items), low.encode(items), strict=True):
         assert got.dtype == getattr(torch, dtype)
         # RMSNorm eps follows the dtype; outputs are post-RMSNorm so O(1) in magnitude.
         assert (got.float() - ref).abs().max() < 0.15
@@ -54,13 +54,17 @@ def test_refuses_aggregated_item(encoder):
 def test_wrong_grids_detected(encoder, backend, word):
     item = encoder.plan(image_bytes("RGB", (100, 37)), backend=backend)
     bad = dataclasses.replace(item, grid_thws=torch.tensor([[1, 2, 16]]))
-    with pytest.raises(ValueError, match=f"Kimi-K3 deferred {word} preprocessing produced wrong grids"):
+    with pytest.raises(
+        ValueError, match=f"Kimi-K3 deferred {word} preprocessing produced wrong grids"
+    ):
         encoder.encode([bad])
 
 
 def test_pixel_rows_must_match_grid(encoder):
     item = EncoderItem(torch.tensor([[1, 2, 4]]), pixel_values=torch.zeros(7, 3, 14, 14))
-    with pytest.raises(ValueError, match="Kimi-K3 deferred feature length does not match image grids"):
+    with pytest.raises(
+        ValueError, match="Kimi-K3 deferred feature length does not match image grids"
+    ):
         encoder.encode([item])
 
 

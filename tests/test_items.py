@@ -101,7 +101,12 @@ def test_split_item_refuses_raw_item_with_many_grids():
 
 @pytest.mark.parametrize(
     "grids, match",
-    [([[2, 4, 4]], "t=2"), ([[1, 3, 4]], "multiples"), ([1, 2, 3], "rows"), ([[1.0, 2, 2]], "integers")],
+    [
+        ([[2, 4, 4]], "t=2"),
+        ([[1, 3, 4]], "multiples"),
+        ([1, 2, 3], "rows"),
+        ([[1.0, 2, 2]], "integers"),
+    ],
     ids=["video-t", "odd-h", "flat", "float"],
 )
 def test_bad_grid_rows(grids, match):
@@ -112,7 +117,9 @@ def test_bad_grid_rows(grids, match):
 def test_backend_validated_at_config_and_dispatch():
     with pytest.raises(ValueError, match="Unsupported Kimi-K3 deferred preprocessing backend: tpu"):
         resolve_backend("tpu")
-    with pytest.raises(ValueError, match="Unsupported Kimi-K3 deferred preprocessing backend: auto"):
+    with pytest.raises(
+        ValueError, match="Unsupported Kimi-K3 deferred preprocessing backend: auto"
+    ):
         DeferredPreprocessing("auto", (0.5,) * 3, (0.5,) * 3, None, navit_resize(28, 28, K3))
     assert resolve_backend("auto", "cpu") == "cpu"
     assert resolve_backend("auto", "cuda:0") == "gpu"

@@ -141,8 +141,7 @@ def checkpoint(tmp_path_factory):
 def reference(checkpoint):
     model, info = ref.load_reference(checkpoint)
     not_text = [
-        k for k in info["missing_keys"]
-        if not k.startswith(("model.language_model.", "lm_head."))
+        k for k in info["missing_keys"] if not k.startswith(("model.language_model.", "lm_head."))
     ]
     assert not not_text, f"transformers left vision weights uninitialized: {not_text}"
     assert not info["unexpected_keys"], f"unconverted checkpoint keys: {info['unexpected_keys']}"
@@ -202,7 +201,7 @@ def test_batched_features_match_transformers(encoder, reference):
         ours = encoder.forward(pixels, items)
         theirs = ref.reference_features(reference, torch.cat(pixels), grids)
     assert len(ours) == len(theirs) == len(CASES)
-    diffs = {c.id: (a - b).abs().max().item() for c, a, b in zip(CASES, ours, theirs)}
+    diffs = {c.id: (a - b).abs().max().item() for c, a, b in zip(CASES, ours, theirs, strict=True)}
     print("batched max|ours - transformers|:", {k: f"{v:.2e}" for k, v in diffs.items()})
     assert max(diffs.values()) <= FEATURE_TOL, diffs
 

@@ -20,7 +20,7 @@ from kimi_encoder.pil_ops import RawImage, raw_from_pil, resize_bicubic, to_rgb
 # ----------------------------------------------------------------------------- images
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _plane(width: int, height: int, seed: int) -> np.ndarray:
     """A float image in about [0, 1]: gradients, a disc and a bar with hard edges, noise."""
     rng = np.random.default_rng(seed)
@@ -204,9 +204,7 @@ def assert_same(got: torch.Tensor, expected: np.ndarray, what: str) -> None:
     assert got_np.shape == expected.shape, what
     if not np.array_equal(got_np, expected, equal_nan=got_np.dtype.kind == "f"):
         diff = np.abs(got_np.astype(np.float64) - expected.astype(np.float64))
-        raise AssertionError(
-            f"{what}: max abs diff {diff.max()}, {np.mean(diff == 0):.4%} exact"
-        )
+        raise AssertionError(f"{what}: max abs diff {diff.max()}, {np.mean(diff == 0):.4%} exact")
 
 
 # ----------------------------------------------------------------------------- tests

@@ -38,8 +38,9 @@ def test_sharded_with_corrupt_language_shard(oracle_dir, oracle_encoder, tmp_pat
     root = _shard(oracle_dir / "checkpoint", tmp_path)
     encoder = VisionEncoder.from_pretrained(root, device="cpu", backend="cpu")
     item = encoder.plan(image_bytes("RGB", (120, 80)))
-    torch.testing.assert_close(encoder.encode([item])[0], oracle_encoder.encode([item])[0],
-                               atol=0, rtol=0)
+    torch.testing.assert_close(
+        encoder.encode([item])[0], oracle_encoder.encode([item])[0], atol=0, rtol=0
+    )
 
 
 def test_vision_keys_only(oracle_dir):
@@ -52,11 +53,15 @@ def test_vision_keys_only(oracle_dir):
     "edit, match",
     [
         (lambda t: t.pop("mm_projector.post_norm.weight"), "missing keys: mm_projector.post_norm"),
-        (lambda t: t.update({"vision_tower.extra.weight": torch.zeros(1)}),
-         "unexpected keys: vision_tower.extra.weight"),
-        (lambda t: t.update({"vision_tower.encoder.blocks.0.wo.weight": torch.zeros(64, 64)}),
-         r"mis-shaped keys: vision_tower.encoder.blocks.0.wo.weight: checkpoint \(64, 64\) "
-         r"vs model \(64, 96\)"),
+        (
+            lambda t: t.update({"vision_tower.extra.weight": torch.zeros(1)}),
+            "unexpected keys: vision_tower.extra.weight",
+        ),
+        (
+            lambda t: t.update({"vision_tower.encoder.blocks.0.wo.weight": torch.zeros(64, 64)}),
+            r"mis-shaped keys: vision_tower.encoder.blocks.0.wo.weight: checkpoint \(64, 64\) "
+            r"vs model \(64, 96\)",
+        ),
     ],
     ids=["missing", "unexpected", "misshaped"],
 )
@@ -74,7 +79,9 @@ def test_key_errors_name_the_keys(oracle_dir, tmp_path, edit, match):
 def test_missing_weights_file(oracle_dir, tmp_path):
     shutil.copy(oracle_dir / "checkpoint" / "config.json", tmp_path / "config.json")
     shutil.copy(oracle_dir / "checkpoint" / "preprocessor_config.json", tmp_path)
-    with pytest.raises(CheckpointError, match="No model.safetensors.index.json or model.safetensors"):
+    with pytest.raises(
+        CheckpointError, match="No model.safetensors.index.json or model.safetensors"
+    ):
         VisionEncoder.from_pretrained(tmp_path, device="cpu")
 
 
@@ -91,14 +98,20 @@ def test_make_checkpoint_roundtrip(tmp_path, preset):
     assert preprocess == get_preset(preset).preprocess
     loaded = VisionEncoder.from_pretrained(tmp_path, device="cpu")
     built = VisionEncoder.from_pretrained(preset, device="cpu", seed=3)
-    for (k, a), (_, b) in zip(loaded.model.state_dict().items(), built.model.state_dict().items()):
+    for (k, a), (_, b) in zip(
+        loaded.model.state_dict().items(), built.model.state_dict().items(), strict=True
+    ):
         assert torch.equal(a, b), k
 
 
 def test_oracle_config_is_read_exactly(oracle_dir):
     vision, preprocess = read_checkpoint_configs(oracle_dir / "checkpoint")
     assert (vision.hidden_size, vision.qkv_hidden_size, vision.num_heads, vision.num_layers) == (
-        64, 96, 4, 2)
+        64,
+        96,
+        4,
+        2,
+    )
     assert vision.text_hidden_size == 80 and vision.variant == "k3"
     assert preprocess.in_patch_limit == 1024 and preprocess.patch_limit_on_one_side == 64
     assert preprocess.transparent_bg_config["chessboard_gray_value"] == 180
