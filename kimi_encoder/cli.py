@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,36 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _client(args: argparse.Namespace) -> int:
+    from .client import run_client  # no torch or model code: only HTTP
+
+    out = Path(args.out)
+    report = run_client(
+        args.url,
+        args.inputs,
+        out,
+        batch_size=args.batch_size,
+        concurrency=args.concurrency,
+        per_batch=args.per_batch,
+        backend=args.backend,
+        api_key=args.api_key,
+    )
+    rate = report.encoded / report.seconds if report.seconds else 0.0
+    print(
+        f"encoded {report.files - len(report.failed)} of {report.files} files "
+        f"({report.encoded} distinct images, {report.patches} patches) in {report.seconds:.1f} s "
+        f"({rate:.1f} img/s); {report.requests} requests, {report.retries} retries; "
+        f"wrote {len(report.written)} files to {out}",
+        file=sys.stderr,
+    )
+    if report.failed:
+        print(f"failed ({len(report.failed)}):", file=sys.stderr)
+        for path, reason in sorted(report.failed.items()):
+            print(f"  {path}: {reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kimi-encoder", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -70,6 +101,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     enc.add_argument("images", nargs="+", help="image files; i is the position on this line")
     enc.set_defaults(func=_encode)
+
+    cl = sub.add_parser(
+        "client",
+        help="send images to a running encode server, write one .safetensors per image",
+        description="Encode files, directories (recursively, image suffixes) and globs with "
+        "a running server: batches with bounded concurrency, retries with backoff, each "
+        "distinct image sent once. Exit code 1 if any file failed (named at the end).",
+    )
+    cl.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    cl.add_argument("--out", required=True, help="output directory")
+    cl.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    cl.add_argument("--batch-size", type=int, default=8, help="images per request (default 8)")
+    cl.add_argument(
+        "--per-batch",
+        action="store_true",
+        help="write one batch-NNNNN.safetensors per request instead of one file per image",
+    )
+    cl.add_argument("--backend", choices=["cpu", "gpu"], help="preprocessing backend")
+    cl.add_argument(
+        "--api-key",
+        default=os.environ.get("KIMI_ENCODER_API_KEY"),
+        help="sent as 'Authorization: Bearer KEY' (default: $KIMI_ENCODER_API_KEY)",
+    )
+    cl.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, directories, globs")
+    cl.set_defaults(func=_client)
 
     ck = sub.add_parser("make-checkpoint", help="write a seeded random original-format checkpoint")
     ck.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")
