@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,6 +144,13 @@ def _decode_image_field(text: str, index: int) -> bytes:
                 "'data:image/png;base64,<payload>'.",
                 index,
             )
+        media_type = header[len("data:") :].split(";")[0].strip().lower()
+        if not media_type.startswith("image/"):
+            raise EncoderInputError(
+                f"'image' data URL has media type {media_type[:60] or '(none)'!r}; allowed "
+                "media types are image/* (e.g. 'data:image/png;base64,<payload>').",
+                index,
+            )
         text = payload
     return _b64(text, "'image'", index)
 
@@ -165,4 +173,39 @@ def _decode_pixel_values(entry: ImageItem, patch: int, index: int) -> torch.Tens
             index,
         )
     array = np.frombuffer(raw, dtype="<f4").reshape(shape)
+    bad = int(array.size - np.count_nonzero(np.isfinite(array)))
+    if bad:
+        raise EncoderInputError(
+            f"pixel_values has {bad} non-finite values (NaN or inf) of {array.size}; send "
+            "finite normalized pixels.",
+            index,
+        )
     return torch.from_numpy(array.astype(np.float32))  # writable, native-endian copy
+
+
+async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
+    """The whole request body, refused (413) as soon as it passes ``limit`` bytes.
+
+    Covers bodies without a Content-Length (chunked uploads): the ingress never
+    buffers more than ``limit`` bytes of one request.
+    """
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise LimitExceededError(
+                f"request body is over max_request_bytes={limit} ({size} bytes received "
+                "when it was refused); send fewer or smaller images per request."
+            )
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def replay(body: bytes) -> Callable[[], Awaitable[dict]]:
+    """An ASGI ``receive`` that hands over an already read request body."""
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive

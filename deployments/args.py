@@ -61,6 +61,15 @@ class AppArgs(BaseModel):
     max_patches_per_request: int = Field(
         1 << 20, ge=1, description="Most patches (sum of t*h*w over all images) per request (413)."
     )
+    # Below the proxy's http_options.request_timeout_s, so clients get this 504, not a 408.
+    request_timeout_s: float = Field(
+        60, gt=0, description="Longest wait for the ranks' features, in seconds (504 above)."
+    )
+    api_key_file: str | None = Field(
+        None,
+        description="File holding the API key that requests must send as 'Authorization: "
+        "Bearer <key>' (or set $KIMI_ENCODER_API_KEY instead). None: no key required.",
+    )
 
     @field_validator("preprocess_backend")
     @classmethod

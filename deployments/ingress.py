@@ -27,8 +27,9 @@ from kimi_encoder.assign import assign_owners, group_by_owner
 from kimi_encoder.config import resolve_configs
 from kimi_encoder.items import EncoderInputError, LimitExceededError
 
-from .admission import Admission, Admitted
+from .admission import Admission, Admitted, read_body, replay
 from .args import AppArgs
+from .deadline import RequestTimeoutError, gather_within
 from .schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -37,6 +38,7 @@ from .schemas import (
     ItemFeatures,
     Usage,
 )
+from .security import ApiKey
 
 log = logging.getLogger("ray.serve")
 
@@ -49,11 +51,13 @@ api = FastAPI(
 
 _ERRORS = {
     400: {"model": ErrorResponse, "description": "Invalid item, backend or data."},
+    401: {"model": ErrorResponse, "description": "Missing or wrong API key."},
     413: {"model": ErrorResponse, "description": "Over a configured request limit."},
     415: {"model": ErrorResponse, "description": "Body is neither JSON nor multipart."},
     422: {"model": ErrorResponse, "description": "Malformed body."},
     500: {"model": ErrorResponse, "description": "Encoder failure."},
     503: {"model": ErrorResponse, "description": "A rank is unavailable or busy: retry."},
+    504: {"model": ErrorResponse, "description": "Over request_timeout_s."},
 }
 _MULTIPART_SCHEMA = {
     "type": "object",
@@ -81,10 +85,23 @@ def error_response(status: int, kind: str, message: str) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
 
 
+def _field_path(loc: tuple) -> list:
+    """``loc`` without 'body' and the item-kind tag after an item index.
+
+    ``body.items.1.image.image`` -> ``items.1.image`` (the tag comes from ``schemas.Item``).
+    """
+    path = [p for p in loc if p != "body"]
+    return [
+        p
+        for i, p in enumerate(path)
+        if not (i and isinstance(path[i - 1], int) and p in ("image", "other"))
+    ]
+
+
 def _validation_message(exc: ValidationError | RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "image", "other"))
+        loc = ".".join(str(p) for p in _field_path(err.get("loc", ())))
         parts.append(f"{loc or 'body'}: {str(err.get('msg')).rstrip('.')}")
     return "; ".join(parts) + ". See /docs for the request schema."
 
@@ -157,6 +174,7 @@ class EncodeServer:
         self.args = args
         vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
         self.admission = Admission(vision, preprocess, args)
+        self.api_key = ApiKey.load(args.api_key_file)
         self.vision = vision
 
     @api.post(
@@ -190,6 +208,8 @@ class EncodeServer:
     async def encode(self, request: Request) -> Response:
         """JSON (``EncodeRequest``) or multipart upload (``image`` files); see docs/api.md."""
         started = time.perf_counter()
+        if (denied := self.api_key.deny(request)) is not None:
+            return denied
         try:
             admitted, response_format = await self._admit(request)
         except ValidationError as exc:
@@ -201,6 +221,8 @@ class EncodeServer:
             features, owners, rank_ms = await self._fan_out(admitted)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
             cause = exc.cause if isinstance(exc, RayTaskError) else exc
+            if isinstance(cause, RequestTimeoutError):
+                return error_response(504, "timeout", str(cause))
             if isinstance(cause, EncoderInputError):
                 return _input_error(cause)
             if isinstance(cause, _UNAVAILABLE):
@@ -226,7 +248,9 @@ class EncodeServer:
         return JSONResponse(self._json(admitted, features, owners, timings, started))
 
     @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
-    async def info(self) -> dict[str, Any]:
+    async def info(self, request: Request) -> Any:
+        if (denied := self.api_key.deny(request)) is not None:
+            return denied
         ranks = await asyncio.gather(*(self._rank_info(r) for r in range(len(self.ranks))))
         v = self.vision
         return {
@@ -262,13 +286,16 @@ class EncodeServer:
             return await self._admit_form(request)
         if kind not in ("application/json", ""):
             raise _UnsupportedMedia(kind)
-        body = await request.body()
-        self.admission.check_body_size(len(body))
+        body = await read_body(request.stream(), self.args.max_request_bytes)
         parsed = EncodeRequest.model_validate_json(body)
         return self.admission.admit_json(parsed), parsed.response_format
 
     async def _admit_form(self, request: Request) -> tuple[Admitted, str]:
         limit = self.args.max_images_per_request + 1
+        # Read (at most max_request_bytes) first, then parse from memory: a chunked upload
+        # without a Content-Length can neither fill the memory nor the temp-file disk.
+        body = await read_body(request.stream(), self.args.max_request_bytes)
+        request = Request(request.scope, replay(body))
         async with request.form(max_files=limit, max_fields=limit + 8) as form:
             unknown = sorted(set(form.keys()) - _FORM_FIELDS)
             if unknown:
@@ -299,7 +326,7 @@ class EncodeServer:
             self.ranks[rank].encode.remote([sources[i] for i in idx], [items[i] for i in idx])
             for rank, idx in groups.items()
         ]
-        results = await asyncio.gather(*calls)
+        results = await gather_within(calls, self.args.request_timeout_s)
         features: list[np.ndarray | None] = [None] * len(items)
         rank_ms: dict[int, float] = {}
         for (rank, idx), result in zip(groups.items(), results, strict=True):

@@ -66,7 +66,8 @@ class EncoderRank:
         try:
             features = self.encoder.encode(items)
         except EncoderInputError as exc:
-            raise EncoderInputError(str(exc), self._culprit(indices, items)) from None
+            # type(exc): a LimitExceededError stays one (413), with the culprit named.
+            raise type(exc)(str(exc), self._culprit(indices, items)) from None
         arrays = [
             np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features
         ]

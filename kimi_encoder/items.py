@@ -121,6 +121,8 @@ class DeferredPreprocessing:
     transparent_bg_config: dict | None
     resize_config: ResizeConfig
     fill_stage: str = "after_resize"
+    # The admitted pixel limit, checked again from the header before the rank decodes.
+    max_pixels: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -173,18 +175,38 @@ def check_modality(modality: str | Modality, index: int | None = None) -> Modali
     return Modality.IMAGE
 
 
+def check_pixels(
+    width: int, height: int, max_pixels: int | None, index: int | None = None
+) -> None:
+    """Refuse a ``width x height`` image over ``max_pixels`` (413), before any decode."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise LimitExceededError(
+            f"image is {width}x{height} = {width * height} pixels, over the limit "
+            f"max_image_pixels={max_pixels}; downscale it before sending.",
+            index,
+        )
+
+
 def read_image_size(data: bytes, max_pixels: int | None = None, index: int | None = None):
-    """(width, height, format) from the file header; pixels are not decoded."""
+    """(width, height, format) from the file header; pixels are not decoded.
+
+    PIL's own bomb protection stays on: above ``2 * Image.MAX_IMAGE_PIXELS`` it
+    refuses to open the file at all. Its warning band below that is our
+    ``max_pixels`` check's business when a limit is given, an error otherwise.
+    """
     if not data:
         raise EncoderInputError("image data is empty (0 bytes); send a PNG/JPEG/WebP file.", index)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            action = "error" if max_pixels is None else "ignore"
+            warnings.simplefilter(action, Image.DecompressionBombWarning)
             with Image.open(io.BytesIO(data)) as img:
                 width, height, fmt = img.size[0], img.size[1], img.format
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        limit = "" if max_pixels is None else f"max_image_pixels={max_pixels}; "
         raise LimitExceededError(
-            f"image header claims a decompression bomb ({exc}); send a smaller image.", index
+            f"image header claims a decompression bomb ({exc}); {limit}send a smaller image.",
+            index,
         ) from None
     except Image.UnidentifiedImageError:
         raise EncoderInputError(
@@ -200,12 +222,7 @@ def read_image_size(data: bytes, max_pixels: int | None = None, index: int | Non
         ) from None
     if width < 1 or height < 1:
         raise EncoderInputError(f"image has an empty size {width}x{height}.", index)
-    if max_pixels is not None and width * height > max_pixels:
-        raise LimitExceededError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit "
-            f"max_image_pixels={max_pixels}; downscale it before sending.",
-            index,
-        )
+    check_pixels(width, height, max_pixels, index)
     return width, height, fmt
 
 
@@ -227,6 +244,7 @@ def plan_image(
         transparent_bg_config=cfg.transparent_bg_config,
         resize_config=resize,
         fill_stage=cfg.transparent_bg_fill_stage,
+        max_pixels=max_pixels,
     )
     grid = torch.tensor([resize.grid_thw(cfg.patch_size)], dtype=torch.int64)
     return EncoderItem(grid, image=data, deferred=deferred, original_size=(width, height))

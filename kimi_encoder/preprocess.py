@@ -17,15 +17,35 @@ import torch
 from PIL import Image
 
 from . import pil_ops
-from .items import DeferredPreprocessing, EncoderInputError, unsupported_backend
+from .items import (
+    DeferredPreprocessing,
+    EncoderInputError,
+    LimitExceededError,
+    check_pixels,
+    unsupported_backend,
+)
 
 Materialized = tuple[torch.Tensor, tuple[int, int, int]]
 
 
-def decode(data: bytes) -> Image.Image:
-    """Decode as is: no EXIF transpose, no mode conversion. Multi-frame files give frame 0."""
+def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
+    """Decode as is: no EXIF transpose, no mode conversion. Multi-frame files give frame 0.
+
+    The size is checked against ``max_pixels`` from the header before any pixel is
+    decoded (and PIL's own decompression-bomb limit stays on).
+    """
     try:
         img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:
+        raise LimitExceededError(
+            f"image header claims a decompression bomb ({exc}); send a smaller image."
+        ) from None
+    except Exception as exc:
+        raise EncoderInputError(
+            f"cannot decode the image ({type(exc).__name__}: {exc}); send a complete, valid file."
+        ) from None
+    check_pixels(*img.size, max_pixels)
+    try:
         img.load()
     except Exception as exc:
         raise EncoderInputError(
@@ -128,7 +148,7 @@ def preprocess(
     image: bytes | Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
 ) -> Materialized:
     """One image -> (``(gh*gw, 3, p, p)`` float32 on ``device``, grid) with the item's backend."""
-    img = decode(image) if isinstance(image, bytes) else image
+    img = decode(image, cfg.max_pixels) if isinstance(image, bytes) else image
     if cfg.backend == "cpu":
         pixels, grid = preprocess_cpu(img, cfg, patch)
         return pixels.to(device), grid

@@ -92,3 +92,21 @@ def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
 
 def image_bytes(mode: str, size: tuple[int, int], seed: int = 0, fmt: str = "PNG") -> bytes:
     return encode_image(make_image(mode, size, seed), fmt)
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A tiny PNG whose IHDR claims ``width x height`` RGB pixels (a decompression bomb's header).
+
+    Built by hand: signature, IHDR, one small IDAT (a few zero rows) and IEND, each
+    chunk with its CRC, so PIL reads the header as valid.
+    """
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data) & 0xFFFFFFFF
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", crc)
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    idat = zlib.compress(b"\0" * (1 + 3 * min(width, 64)) * 4)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -44,17 +44,23 @@ def serve_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
-    """``deploy(dp_size)`` -> base URL of a running app with that many ranks."""
-    apps: dict[int, str] = {}
+    """``deploy(dp_size)`` -> base URL of a running app with that many ranks.
 
-    def _deploy(dp_size: int) -> str:
-        if dp_size not in apps:
-            name = f"dp{dp_size}"
-            args = AppArgs(dp_size=dp_size, device="cpu", preprocess_backend="cpu", **LIMITS)
+    ``deploy(dp_size, name, **overrides)``: an app of its own with other AppArgs
+    (an API key file, a short timeout, ...), shared under ``name``.
+    """
+    apps: dict[str, str] = {}
+
+    def _deploy(dp_size: int, name: str | None = None, **overrides) -> str:
+        assert name is not None or not overrides, "an app with overrides needs its own name"
+        name = name or f"dp{dp_size}"
+        if name not in apps:
+            fields = {**LIMITS, **overrides}
+            args = AppArgs(dp_size=dp_size, device="cpu", preprocess_backend="cpu", **fields)
             serve.run(bind_app(args, FAST_SHUTDOWN), name=name, route_prefix=f"/{name}")
-            apps[dp_size] = f"{serve_url}/{name}"
-        return apps[dp_size]
+            apps[name] = f"{serve_url}/{name}"
+        return apps[name]
 
     yield _deploy
-    for dp_size in apps:
-        serve.delete(f"dp{dp_size}")
+    for name in apps:
+        serve.delete(name)

@@ -1,0 +1,133 @@
+"""API key, request timeout and the default bind address, over real HTTP.
+
+One app of its own ("strict": 1 rank, an API key file, request_timeout_s=1)
+serves both: every encode here sends the key.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import requests
+import yaml
+from PIL import Image
+from serve_helpers import b64, encode
+from test_bad_inputs import GOOD, replica_pids
+
+pytestmark = pytest.mark.serve
+
+KEY = "kimi-test-key-7f3a9c51e2"
+WRONG = "kimi-wrong-key-0b8d44a6"
+TIMEOUT_S = 1.0
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def strict(deploy, tmp_path_factory) -> str:
+    key_file = tmp_path_factory.mktemp("secret") / "api-key"
+    key_file.write_text(KEY + "\n")
+    return deploy(
+        1,
+        "strict",
+        api_key_file=str(key_file),
+        request_timeout_s=TIMEOUT_S,
+        max_images_per_request=64,
+        max_patches_per_request=1 << 20,
+    )
+
+
+def auth(key: str = KEY) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+def small_body() -> dict:
+    return {"items": [{"type": "image", "image": b64(GOOD)}]}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, auth(WRONG), {"authorization": KEY}, {"authorization": f"Basic {KEY}"}],
+    ids=["none", "wrong-key", "no-scheme", "basic"],
+)
+def test_encode_and_info_need_the_key(strict, headers):
+    for response in (
+        requests.post(f"{strict}/v1/encode", json=small_body(), headers=headers, timeout=60),
+        requests.get(f"{strict}/v1/info", headers=headers, timeout=60),
+    ):
+        assert response.status_code == 401, response.text
+        assert response.headers["www-authenticate"] == "Bearer"
+        assert response.json() == {
+            "error": {
+                "type": "unauthorized",
+                "message": "missing or wrong API key; send the header "
+                "'Authorization: Bearer <key>'.",
+            }
+        }
+
+
+def test_the_key_opens_and_healthz_stays_open(strict):
+    assert requests.get(f"{strict}/healthz", timeout=30).json() == {"status": "ok"}
+    response = requests.post(f"{strict}/v1/encode", json=small_body(), headers=auth(), timeout=60)
+    assert response.status_code == 200, response.text
+    assert requests.get(f"{strict}/v1/info", headers=auth(), timeout=60).json()["dp_size"] == 1
+    # A bad body with a bad key is refused for the key: nothing is parsed before the check.
+    response = requests.post(
+        f"{strict}/v1/encode", data=b"\x80\x04junk", headers=auth(WRONG), timeout=60
+    )
+    assert response.status_code == 401
+
+
+def flat_png(side: int, shade: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (side, side), (shade, 255 - shade, 90)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_request_timeout_gives_504_and_the_rank_recovers(strict):
+    """40 images of 1000x1000 take the rank a few seconds: 504 after ~1 s, naming the limit."""
+    pids = replica_pids(strict, "strict", auth())
+    heavy = [{"type": "image", "image": b64(flat_png(1000, s))} for s in range(40)]
+    started = time.perf_counter()
+    response = requests.post(
+        f"{strict}/v1/encode", json={"items": heavy}, headers=auth(), timeout=60
+    )
+    elapsed = time.perf_counter() - started
+    assert response.status_code == 504, response.text[:300]
+    error = response.json()["error"]
+    assert error["type"] == "timeout" and "request_timeout_s=1 s" in error["message"], error
+    assert elapsed < TIMEOUT_S + 2.0, elapsed  # answered at the deadline, not after the rank
+    # The rank finishes or drops the abandoned work, then serves again: same process.
+    deadline = time.monotonic() + 60
+    while True:
+        response = requests.post(
+            f"{strict}/v1/encode", json=small_body(), headers=auth(), timeout=60
+        )
+        if response.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert response.status_code == 504, response.text
+        time.sleep(0.5)
+    assert response.status_code == 200, response.text
+    assert replica_pids(strict, "strict", auth()) == pids
+
+
+def test_the_key_is_never_logged(strict):
+    """After the requests above (right and wrong keys), no Ray log file holds either key."""
+    encode(strict, [{"type": "image", "image": b64(GOOD)}])  # unauthorized, logged as a 401
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    files = [p for p in logs.rglob("*") if p.is_file()]
+    assert any("EncodeServer" in p.name for p in files), "no ingress log found"
+    for path in files:
+        data = path.read_bytes()
+        assert KEY.encode() not in data and WRONG.encode() not in data, path
+
+
+def test_default_config_binds_loopback_and_has_no_key_in_it():
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    assert config["http_options"]["host"] == "127.0.0.1"
+    for name in ("config.yaml", "k3-8gpu.yaml"):
+        (app,) = yaml.safe_load((ROOT / "configs" / name).read_text())["applications"]
+        assert "api_key" not in app["args"]  # only api_key_file (or the env var) may hold it
