@@ -8,13 +8,14 @@ import base64
 import json
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
@@ -30,6 +31,7 @@ from kimi_encoder.items import EncoderInputError, LimitExceededError
 from .admission import Admission, Admitted, read_body, replay
 from .args import AppArgs
 from .deadline import RequestTimeoutError, gather_within
+from .metrics import IngressMetrics, RequestTrace, Stamped, current_trace, dispatch_loads
 from .schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -127,6 +129,13 @@ def _form_error(message: str) -> _FormError:
     return _FormError(message + ".")
 
 
+def _resized_size(item: Any) -> list[int] | None:
+    if item.deferred is None:
+        return None
+    resize = item.deferred.resize_config
+    return [resize.new_width, resize.new_height]
+
+
 def _input_error(exc: EncoderInputError) -> JSONResponse:
     if isinstance(exc, LimitExceededError):
         return error_response(413, "limit_exceeded", str(exc))
@@ -176,6 +185,8 @@ class EncodeServer:
         self.admission = Admission(vision, preprocess, args)
         self.api_key = ApiKey.load(args.api_key_file)
         self.vision = vision
+        self.metrics = IngressMetrics(args.dp_size)
+        self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
     @api.post(
         "/v1/encode",
@@ -207,7 +218,15 @@ class EncodeServer:
     )
     async def encode(self, request: Request) -> Response:
         """JSON (``EncodeRequest``) or multipart upload (``image`` files); see docs/api.md."""
-        started = time.perf_counter()
+        # Serve's proxy sets X-Request-ID (the client's, else a new one), returns it in the
+        # response and carries it to the ranks' log records.
+        with self.metrics.trace(request.headers.get("x-request-id", "")) as trace:
+            response = await self._encode(request, trace)
+            trace.status = response.status_code
+        return response
+
+    async def _encode(self, request: Request, trace: RequestTrace) -> Response:
+        started = trace.started
         if (denied := self.api_key.deny(request)) is not None:
             return denied
         try:
@@ -217,6 +236,7 @@ class EncodeServer:
         except EncoderInputError as exc:
             return _input_error(exc)
         admitted_at = time.perf_counter()
+        trace.admitted(admitted.items, admitted_at)
         try:
             features, owners, rank_ms = await self._fan_out(admitted)
         except Exception as exc:  # noqa: BLE001 - every failure becomes a JSON error
@@ -239,13 +259,17 @@ class EncodeServer:
             "admit": (admitted_at - started) * 1e3,
             "encode": (done - admitted_at) * 1e3,
             **{f"rank_{r}": ms for r, ms in sorted(rank_ms.items())},
+            **trace.rank_timings(),
         }
         if response_format == "safetensors":
             body = self._safetensors(admitted, features, owners)
+            timings["gather"] = trace.mark("gather", trace.results_at or done)
             timings["total"] = (time.perf_counter() - started) * 1e3
             headers = {"X-Timings-Ms": json.dumps({k: round(v, 3) for k, v in timings.items()})}
             return Response(body, media_type="application/octet-stream", headers=headers)
-        return JSONResponse(self._json(admitted, features, owners, timings, started))
+        payload = self._json(admitted, features, owners, timings, started)
+        payload["timings_ms"]["gather"] = round(trace.mark("gather", trace.results_at or done), 3)
+        return JSONResponse(payload)
 
     @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
     async def info(self, request: Request) -> Any:
@@ -267,6 +291,16 @@ class EncodeServer:
             "dp_size": len(self.ranks),
             "ranks": ranks,
         }
+
+    @api.get("/v1/load", summary="In-flight requests, images, patches and bytes per rank")
+    async def load(self) -> dict[str, Any]:
+        """What this ingress replica has dispatched to each rank and not yet got back."""
+        return {"ranks": self.metrics.load()}
+
+    @api.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def page(self) -> HTMLResponse:
+        """A try-it page: drop images, see grids, owners, timings and a PCA of the features."""
+        return HTMLResponse(self.page)
 
     @api.get("/healthz", summary="Liveness of the ingress")
     async def healthz(self) -> dict[str, str]:
@@ -322,11 +356,22 @@ class EncodeServer:
         items, sources = admitted.items, admitted.sources
         owners = assign_owners([item.num_patches for item in items], len(self.ranks))
         groups = group_by_owner(owners, len(self.ranks))
+        sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
         calls = [
-            self.ranks[rank].encode.remote([sources[i] for i in idx], [items[i] for i in idx])
+            Stamped(
+                self.ranks[rank].encode.remote(
+                    [sources[i] for i in idx], [items[i] for i in idx], sent_at=sent_at
+                )
+            )
             for rank, idx in groups.items()
         ]
-        results = await gather_within(calls, self.args.request_timeout_s)
+        if (trace := current_trace()) is not None:
+            trace.owners = owners
+        with self.metrics.dispatched(dispatch_loads(groups, items)):
+            results = await gather_within(calls, self.args.request_timeout_s)
+        if trace is not None:
+            trace.results_at = time.perf_counter()
+            trace.ranks_done(list(groups), results, calls)
         features: list[np.ndarray | None] = [None] * len(items)
         rank_ms: dict[int, float] = {}
         for (rank, idx), result in zip(groups.items(), results, strict=True):
@@ -356,6 +401,8 @@ class EncodeServer:
                     grid_thw=list(item.grid),
                     num_tokens=array.shape[0],
                     owner_rank=owner,
+                    original_size=list(item.original_size) if item.original_size else None,
+                    resized_size=_resized_size(item),
                     shape=list(array.shape),
                     data=base64.b64encode(data).decode("ascii"),
                 ).model_dump()

@@ -13,6 +13,8 @@ import torch
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.items import EncoderInputError, EncoderItem
 
+from .metrics import RankMetrics
+
 log = logging.getLogger("ray.serve")
 
 
@@ -45,6 +47,7 @@ class EncoderRank:
         self.calls = 0
         self.items = 0
         self.patches = 0
+        self.metrics = RankMetrics(rank)
         log.info(
             "rank %d ready: %s on %s in %.1f s",
             rank,
@@ -53,28 +56,53 @@ class EncoderRank:
             self.load_s,
         )
 
-    def encode(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> dict:
+    def encode(
+        self, indices: Sequence[int], items: Sequence[EncoderItem], sent_at: float | None = None
+    ) -> dict:
         """Features of ``items`` (one contiguous float32 array each, input order).
 
-        ``indices`` are the request's item indices, used only to name a bad item.
+        ``indices`` are the request's item indices, used only to name a bad item;
+        ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait).
         """
         assert len(indices) == len(items), (len(indices), len(items))
         self.calls += 1
         self.items += len(items)
         self.patches += sum(item.num_patches for item in items)
         started = time.perf_counter()
+        stages: dict[str, float] = {}
+        if sent_at is not None:  # wall clocks of two processes: clamp a skew to 0
+            stages["queue_wait"] = max(0.0, time.time() - sent_at) * 1e3
         try:
-            features = self.encoder.encode(items)
+            pixels = self.encoder.materialize(items)
+            materialized = time.perf_counter()
+            features = self.encoder.forward(pixels, items)
+            stages["preprocess"] = (materialized - started) * 1e3
+            stages["forward"] = (time.perf_counter() - materialized) * 1e3
         except EncoderInputError as exc:
             # type(exc): a LimitExceededError stays one (413), with the culprit named.
             raise type(exc)(str(exc), self._culprit(indices, items)) from None
         arrays = [
             np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features
         ]
+        backend = next((i.deferred.backend for i in items if i.deferred is not None), "none")
+        patches, tokens = sum(i.num_patches for i in items), sum(len(a) for a in arrays)
+        self.metrics.encoded(len(items), patches, tokens, backend, stages)
+        log.info(
+            "rank %d encoded %d images (%d patches, %d tokens, %s backend) in %s ms",
+            self.rank,
+            len(items),
+            patches,
+            tokens,
+            backend,
+            {k: round(v, 2) for k, v in stages.items()},
+            extra={"kimi_encoder_rank": {"rank": self.rank, "images": len(items), **stages}},
+        )
         return {
             "rank": self.rank,
             "features": arrays,
             "encode_ms": (time.perf_counter() - started) * 1e3,
+            "stages_ms": stages,
+            "done_at": time.time(),
         }
 
     def _culprit(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> int | None:

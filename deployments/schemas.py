@@ -101,6 +101,12 @@ class ItemFeatures(BaseModel):
     grid_thw: list[int] = Field(description="[1, h, w] patch grid of the image.")
     num_tokens: int = Field(description="Feature rows: h*w/4.")
     owner_rank: int = Field(description="Encoder rank that encoded this image.")
+    original_size: list[int] | None = Field(
+        None, description="[width, height] of the encoded file; null for pixel_values items."
+    )
+    resized_size: list[int] | None = Field(
+        None, description="[width, height] after the NaViT resize, before padding to the grid."
+    )
     shape: list[int] = Field(description="[num_tokens, text_hidden_size].")
     dtype: Literal["float32"] = Field("float32", description="Element type of 'data'.")
     data: str = Field(description="Base64 of the little-endian float32 features, C order.")
