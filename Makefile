@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench lint clean
+.PHONY: install serve test bench lint clean system-deps browser-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+
+# Optional extras for the browser and terminal tests (they skip without them):
+# Debian's chromium and tmux (needs root), and playwright-core from npm.
+system-deps:
+	command -v chromium >/dev/null && command -v tmux >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq chromium tmux >/dev/null)
+
+browser-deps:
+	npm ci --prefix tests/browser --no-audit --no-fund --silent
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
