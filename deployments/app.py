@@ -23,6 +23,7 @@ from .rank import EncoderRank
 log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "EncodeServer"
+RANK_MAX_ONGOING_REQUESTS = 64
 
 
 def rank_name(rank: int) -> str:
@@ -35,11 +36,16 @@ def build_app(args: AppArgs) -> Application:
     return bind_app(args)
 
 
-def bind_app(args: AppArgs, deployment_options: dict[str, Any] | None = None) -> Application:
+def bind_app(
+    args: AppArgs,
+    deployment_options: dict[str, Any] | None = None,
+    ingress_options: dict[str, Any] | None = None,
+) -> Application:
     """Ingress plus ``dp_size`` encoder ranks; ``deployment_options`` go to every deployment.
 
     ``deployment_options`` (e.g. ``graceful_shutdown_timeout_s``) play the role of a
-    config's ``deployments:`` entries for callers of ``serve.run`` such as tests.
+    config's ``deployments:`` entries for callers of ``serve.run`` such as tests;
+    ``ingress_options`` (e.g. ``num_replicas``) go to the ingress only.
     """
     if args.checkpoint in PRESETS:
         log.warning(
@@ -63,7 +69,9 @@ def bind_app(args: AppArgs, deployment_options: dict[str, Any] | None = None) ->
             name=rank_name(r),
             num_replicas=1,
             ray_actor_options={"num_cpus": actor.num_cpus, "num_gpus": actor.num_gpus},
-            **extra,
+            # Cross-request batching needs calls in flight, and load reports must get in
+            # while a rank is busy: a rank holds many cheap awaiting calls.
+            **{"max_ongoing_requests": RANK_MAX_ONGOING_REQUESTS, **extra},
         )
         .bind(
             r,
@@ -73,11 +81,18 @@ def bind_app(args: AppArgs, deployment_options: dict[str, Any] | None = None) ->
             backend=args.default_backend,
             seed=args.seed,
             num_cpus=actor.num_cpus,
+            batching=args.batching_config(),
         )
         for r in range(args.dp_size)
     ]
     # The ingress only parses headers and moves arrays: no CPU reservation.
     ingress = serve.deployment(EncodeServer).options(
-        name=INGRESS_NAME, num_replicas=1, ray_actor_options={"num_cpus": 0}, **extra
+        **{
+            "name": INGRESS_NAME,
+            "num_replicas": 1,
+            "ray_actor_options": {"num_cpus": 0},
+            **extra,
+            **(ingress_options or {}),
+        }
     )
     return ingress.bind(ranks, args)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kimi_encoder.items import resolve_backend
 
+from .batcher import BatchingConfig
+
 
 class RankActorOptions(BaseModel):
     """Resources of each encoder rank (Ray actor options)."""
@@ -70,6 +72,55 @@ class AppArgs(BaseModel):
         description="File holding the API key that requests must send as 'Authorization: "
         "Bearer <key>' (or set $KIMI_ENCODER_API_KEY instead). None: no key required.",
     )
+    max_batch_patches: int = Field(
+        16384,
+        ge=1,
+        description="Patch budget of one forward on a rank: images of concurrent requests are "
+        "batched up to it (an image larger than it runs alone).",
+    )
+    max_batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        description="Longest a queued image waits on an idle rank for others to join its batch.",
+    )
+    cost_model: Literal["fitted", "patches"] = Field(
+        "fitted",
+        description="Cost of an image in owner assignment: 'fitted' (a*p^2 + b*p + c, timed by "
+        "each rank at start-up) or 'patches' (its patch count, the reference rule).",
+    )
+    # Small sides: calibration must stay a few seconds on a CPU; GPU configs add larger ones.
+    calibration_grids: list[int] = Field(
+        [8, 16, 32],
+        description="Sides (in patches) of the square images each rank times at start-up to fit "
+        "the cost model; even numbers; empty: no calibration (patch counts).",
+    )
+    feature_cache_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Per-rank LRU feature cache in bytes (0 disables it and cache affinity).",
+    )
+    cache_affinity_tolerance: float = Field(
+        0.25,
+        ge=0,
+        description="A repeated image goes to the rank caching it while that rank's load is at "
+        "most (1 + tolerance) x the finish of encoding it on the least-loaded rank.",
+    )
+    load_report_interval_ms: float = Field(
+        50.0,
+        ge=0,
+        description="Longest age of the ranks' load reports (other ingress replicas' work and "
+        "the cost model) used in owner assignment; a request polls when they are older.",
+    )
+
+    @field_validator("calibration_grids")
+    @classmethod
+    def _even_grids(cls, value: list[int]) -> list[int]:
+        bad = [side for side in value if side < 2 or side % 2]
+        if bad:
+            raise ValueError(
+                f"calibration_grids must be even sides >= 2 (the 2x2 patch merge), got {bad}."
+            )
+        return value
 
     @field_validator("preprocess_backend")
     @classmethod
@@ -92,6 +143,15 @@ class AppArgs(BaseModel):
         if self.device != "auto":
             return self.device
         return "cuda" if self.rank_actor_options.num_gpus > 0 else "cpu"
+
+    def batching_config(self) -> BatchingConfig:
+        """The ranks' batching, cache and calibration settings."""
+        return BatchingConfig(
+            max_batch_patches=self.max_batch_patches,
+            max_batch_wait_ms=self.max_batch_wait_ms,
+            cache_bytes=self.feature_cache_bytes,
+            calibration_grids=tuple(self.calibration_grids) if self.cost_model == "fitted" else (),
+        )
 
     @property
     def default_backend(self) -> str:

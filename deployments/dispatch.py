@@ -69,7 +69,7 @@ class Dispatcher:
         self._own = [Work()] * num_ranks
         self._reports: list[dict[str, Work] | None] = [None] * num_ranks
         self._models: list[CostModel | None] = [None] * num_ranks
-        self._polled_at = -math.inf
+        self._reported_at = [-math.inf] * num_ranks
         self._poll: asyncio.Task | None = None
         self._holders: OrderedDict[str, int] = OrderedDict()
 
@@ -82,25 +82,38 @@ class Dispatcher:
         return CostModel(*(statistics.median(getattr(m, f) for m in fitted) for f in "abc"))
 
     async def refresh(self, ranks: Sequence[Any]) -> None:
-        """Poll the ranks' load reports if the last poll is older than the interval."""
-        if time.monotonic() - self._polled_at < self.report_interval_s:
+        """Poll the ranks whose last report is older than the interval (one poll at a time).
+
+        Every encode answer carries its rank's report too (``observe``), so a busy rank
+        is rarely polled.
+        """
+        now = time.monotonic()
+        stale = [r for r, t in enumerate(self._reported_at) if now - t >= self.report_interval_s]
+        if not stale:
             return
         if self._poll is None or self._poll.done():
-            self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(ranks))
+            self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(ranks, stale))
         await asyncio.shield(self._poll)
 
-    async def _poll_ranks(self, ranks: Sequence[Any]) -> None:
+    async def _poll_ranks(self, ranks: Sequence[Any], stale: list[int]) -> None:
         async def one(rank: int) -> None:
             try:
                 report = await asyncio.wait_for(ranks[rank].load.remote(), REPORT_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a sick rank: no report; the encode call will say
                 self._reports[rank] = None
+                self._reported_at[rank] = time.monotonic()
                 return
-            self._reports[rank] = {c: Work.from_list(w) for c, w in report["by_caller"].items()}
-            self._models[rank] = CostModel(**report["cost_model"])
+            self.observe(rank, report)
 
-        await asyncio.gather(*(one(r) for r in range(self.num_ranks)))
-        self._polled_at = time.monotonic()
+        await asyncio.gather(*(one(r) for r in stale))
+
+    def observe(self, rank: int, report: dict | None) -> None:
+        """Take a rank's load report (from a poll or an encode answer)."""
+        if report is None:
+            return
+        self._reports[rank] = {c: Work.from_list(w) for c, w in report["by_caller"].items()}
+        self._models[rank] = CostModel(**report["cost_model"])
+        self._reported_at[rank] = time.monotonic()
 
     def loads(self) -> list[float]:
         return rank_loads(self._own, self._reports, self.caller, self.cost_model)

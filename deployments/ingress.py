@@ -4,7 +4,6 @@
 # route methods and needs real annotation objects (a string `Request` became a query field).
 
 import asyncio
-import base64
 import json
 import logging
 import time
@@ -21,16 +20,15 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
-from safetensors.numpy import save as save_safetensors
 from starlette.datastructures import UploadFile
 
-from kimi_encoder.assign import assign_owners, group_by_owner
 from kimi_encoder.config import resolve_configs
 from kimi_encoder.items import EncoderInputError, LimitExceededError
 
 from .admission import Admission, Admitted, read_body, replay
 from .args import AppArgs
 from .deadline import RequestTimeoutError, gather_within
+from .dispatch import Dispatcher
 from .metrics import IngressMetrics, RequestTrace, Stamped, current_trace, dispatch_loads
 from .schemas import (
     EncodeRequest,
@@ -41,6 +39,7 @@ from .schemas import (
     Usage,
 )
 from .security import ApiKey
+from .wire import FeaturesJSONResponse, safetensors_body
 
 log = logging.getLogger("ray.serve")
 
@@ -185,6 +184,15 @@ class EncodeServer:
         self.admission = Admission(vision, preprocess, args)
         self.api_key = ApiKey.load(args.api_key_file)
         self.vision = vision
+        self.dispatcher = Dispatcher(
+            args.dp_size,
+            model_name=self.model_name,
+            dtype=args.dtype,
+            cost_model=args.cost_model,
+            report_interval_ms=args.load_report_interval_ms,
+            affinity_tolerance=args.cache_affinity_tolerance,
+            cache_enabled=args.feature_cache_bytes > 0,
+        )
         self.metrics = IngressMetrics(args.dp_size)
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
@@ -269,7 +277,7 @@ class EncodeServer:
             return Response(body, media_type="application/octet-stream", headers=headers)
         payload = self._json(admitted, features, owners, timings, started)
         payload["timings_ms"]["gather"] = round(trace.mark("gather", trace.results_at or done), 3)
-        return JSONResponse(payload)
+        return FeaturesJSONResponse(payload)
 
     @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
     async def info(self, request: Request) -> Any:
@@ -289,6 +297,7 @@ class EncodeServer:
             "device": self.args.rank_device,
             "preprocess_backend": self.args.default_backend,
             "dp_size": len(self.ranks),
+            "assignment": self.dispatcher.info(),
             "ranks": ranks,
         }
 
@@ -354,20 +363,25 @@ class EncodeServer:
     ) -> tuple[list[np.ndarray], list[int], dict[int, float]]:
         """Call only the ranks that own something, concurrently; gather in request order."""
         items, sources = admitted.items, admitted.sources
-        owners = assign_owners([item.num_patches for item in items], len(self.ranks))
-        groups = group_by_owner(owners, len(self.ranks))
+        await self.dispatcher.refresh(self.ranks)
+        plan = self.dispatcher.plan(items)  # duplicates once; fitted costs, loads, cache affinity
+        owners, groups = plan.owners, plan.groups
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
         calls = [
             Stamped(
                 self.ranks[rank].encode.remote(
-                    [sources[i] for i in idx], [items[i] for i in idx], sent_at=sent_at
+                    [sources[i] for i in idx],
+                    [items[i] for i in idx],
+                    sent_at=sent_at,
+                    caller=self.dispatcher.caller,
                 )
             )
             for rank, idx in groups.items()
         ]
         if (trace := current_trace()) is not None:
             trace.owners = owners
-        with self.metrics.dispatched(dispatch_loads(groups, items)):
+        in_flight = self.metrics.dispatched(dispatch_loads(groups, items))
+        with in_flight, self.dispatcher.dispatched(plan):
             results = await gather_within(calls, self.args.request_timeout_s)
         if trace is not None:
             trace.results_at = time.perf_counter()
@@ -377,8 +391,11 @@ class EncodeServer:
         for (rank, idx), result in zip(groups.items(), results, strict=True):
             assert result["rank"] == rank and len(result["features"]) == len(idx), (rank, idx)
             rank_ms[rank] = result["encode_ms"]
+            self.dispatcher.observe(rank, result.get("load"))
             for i, array in zip(idx, result["features"], strict=True):
                 features[i] = array
+        features = [features[j] for j in plan.first]  # a duplicate shares its first copy's array
+        self.dispatcher.record(plan)
         merge, width = self.vision.merge_kernel_size[0], self.vision.text_hidden_size
         for i, (item, array) in enumerate(zip(items, features, strict=True)):
             expected = (item.num_tokens(merge), width)
@@ -394,7 +411,6 @@ class EncodeServer:
         for i, (item, array, owner) in enumerate(
             zip(admitted.items, features, owners, strict=True)
         ):
-            data = np.ascontiguousarray(array, dtype="<f4").tobytes()
             out.append(
                 ItemFeatures(
                     index=i,
@@ -404,8 +420,9 @@ class EncodeServer:
                     original_size=list(item.original_size) if item.original_size else None,
                     resized_size=_resized_size(item),
                     shape=list(array.shape),
-                    data=base64.b64encode(data).decode("ascii"),
+                    data="",
                 ).model_dump()
+                | {"data": array}  # base64 written straight into the body (deployments/wire.py)
             )
         usage = Usage(
             images=len(out), patches=admitted.patches, tokens=sum(a.shape[0] for a in features)
@@ -424,7 +441,7 @@ class EncodeServer:
             tensors[f"features.{i}"] = np.ascontiguousarray(array, dtype=np.float32)
             tensors[f"grid_thw.{i}"] = np.asarray([item.grid], dtype=np.int64)
         meta = {"model": self.model_name, "owner_ranks": json.dumps(owners)}
-        return save_safetensors(tensors, metadata=meta)
+        return safetensors_body(tensors, metadata=meta)  # one copy (deployments/wire.py)
 
     async def _rank_info(self, rank: int) -> dict[str, Any]:
         try:

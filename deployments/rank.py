@@ -7,22 +7,24 @@ import os
 import time
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.items import EncoderInputError, EncoderItem
+from kimi_encoder.items import EncoderItem
 
+from .batcher import BatchingConfig, RankBatcher, raise_first_error
 from .metrics import RankMetrics
 
 log = logging.getLogger("ray.serve")
 
 
 class EncoderRank:
-    """Encodes the items this rank owns, in one call, and returns float32 numpy features.
+    """Encodes the items this rank owns and returns float32 numpy features.
 
     The rank index is a constructor argument (one deployment per rank), so it is
-    known in every mode, including Serve's local testing mode.
+    known in every mode, including Serve's local testing mode. Images of
+    concurrent calls are batched together, cached and counted as outstanding
+    work by a ``RankBatcher`` (deployments/batcher.py).
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class EncoderRank:
         backend: str,
         seed: int,
         num_cpus: float,
+        batching: BatchingConfig | None = None,
     ):
         self.rank = rank
         self.num_threads = max(1, int(num_cpus))
@@ -43,6 +46,7 @@ class EncoderRank:
         self.encoder = VisionEncoder.from_pretrained(
             checkpoint, device=device, dtype=dtype, backend=backend, seed=seed
         )
+        self.batcher = RankBatcher(self.encoder, batching or BatchingConfig(), self.num_threads)
         self.load_s = time.perf_counter() - started
         self.calls = 0
         self.items = 0
@@ -56,13 +60,18 @@ class EncoderRank:
             self.load_s,
         )
 
-    def encode(
-        self, indices: Sequence[int], items: Sequence[EncoderItem], sent_at: float | None = None
+    async def encode(
+        self,
+        indices: Sequence[int],
+        items: Sequence[EncoderItem],
+        sent_at: float | None = None,
+        caller: str = "",
     ) -> dict:
         """Features of ``items`` (one contiguous float32 array each, input order).
 
         ``indices`` are the request's item indices, used only to name a bad item;
-        ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait).
+        ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
+        ``caller`` names the ingress replica in this rank's load report.
         """
         assert len(indices) == len(items), (len(indices), len(items))
         self.calls += 1
@@ -72,18 +81,10 @@ class EncoderRank:
         stages: dict[str, float] = {}
         if sent_at is not None:  # wall clocks of two processes: clamp a skew to 0
             stages["queue_wait"] = max(0.0, time.time() - sent_at) * 1e3
-        try:
-            pixels = self.encoder.materialize(items)
-            materialized = time.perf_counter()
-            features = self.encoder.forward(pixels, items)
-            stages["preprocess"] = (materialized - started) * 1e3
-            stages["forward"] = (time.perf_counter() - materialized) * 1e3
-        except EncoderInputError as exc:
-            # type(exc): a LimitExceededError stays one (413), with the culprit named.
-            raise type(exc)(str(exc), self._culprit(indices, items)) from None
-        arrays = [
-            np.ascontiguousarray(f.detach().to("cpu", torch.float32).numpy()) for f in features
-        ]
+        results, batch_stages = await self.batcher.encode(items, caller)
+        stages["queue_wait"] = stages.get("queue_wait", 0.0) + batch_stages.pop("queue_wait")
+        stages.update(batch_stages)
+        arrays = raise_first_error(results, indices)
         backend = next((i.deferred.backend for i in items if i.deferred is not None), "none")
         patches, tokens = sum(i.num_patches for i in items), sum(len(a) for a in arrays)
         self.metrics.encoded(len(items), patches, tokens, backend, stages)
@@ -103,16 +104,12 @@ class EncoderRank:
             "encode_ms": (time.perf_counter() - started) * 1e3,
             "stages_ms": stages,
             "done_at": time.time(),
+            "load": self.batcher.load(),  # saves the ingress a poll
         }
 
-    def _culprit(self, indices: Sequence[int], items: Sequence[EncoderItem]) -> int | None:
-        """Request index of the first item whose pixels cannot be materialized (error path only)."""
-        for index, item in zip(indices, items, strict=True):
-            try:
-                self.encoder.materialize([item])
-            except EncoderInputError:
-                return index
-        return None
+    async def load(self) -> dict:
+        """Outstanding work by caller and the fitted cost model (polled by the ingress)."""
+        return self.batcher.load()
 
     def info(self) -> dict:
         return {
@@ -120,11 +117,11 @@ class EncoderRank:
             "rank": self.rank,
             "state": "ready",
             "pid": os.getpid(),
-            "num_threads": torch.get_num_threads(),
             "load_s": round(self.load_s, 3),
             "calls": self.calls,
             "items": self.items,
             "patches": self.patches,
+            **self.batcher.info(),  # num_threads: as the encode thread sees it
         }
 
     def check_health(self) -> None:

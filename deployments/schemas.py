@@ -200,4 +200,10 @@ class InfoResponse(BaseModel):
     device: str
     preprocess_backend: str = Field(description="Default backend of requests.")
     dp_size: int
+    assignment: dict[str, Any] | None = Field(
+        None,
+        description="Owner assignment at this ingress replica: cost_model {a, b, c, source} "
+        "(cost of a p-patch image: a*p^2 + b*p + c), current rank loads in that unit, "
+        "affinity_tolerance, load_report_interval_ms.",
+    )
     ranks: list[RankInfo] = Field(description="Each rank's own report (calls, items, device...).")

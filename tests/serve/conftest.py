@@ -42,6 +42,13 @@ def serve_url() -> Iterator[str]:
         ray.shutdown()
 
 
+# Shared apps check features bit for bit against the in-process encoder, so a cache hit
+# (features from another batch) must not stand in, and owners follow the reference rule
+# (patch counts). The cache, fitted costs and batching have apps of their own
+# (test_throughput.py).
+REFERENCE_PATH = dict(feature_cache_bytes=0, cost_model="patches")
+
+
 @pytest.fixture(scope="session")
 def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
     """``deploy(dp_size)`` -> base URL of a running app with that many ranks.
@@ -55,7 +62,7 @@ def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
         if name not in apps:
-            fields = {**LIMITS, **overrides}
+            fields = {**LIMITS, **REFERENCE_PATH, **overrides}
             args = AppArgs(dp_size=dp_size, device="cpu", preprocess_backend="cpu", **fields)
             serve.run(bind_app(args, FAST_SHUTDOWN), name=name, route_prefix=f"/{name}")
             apps[name] = f"{serve_url}/{name}"

@@ -1,0 +1,125 @@
+"""Assignment quality (issue 5, item 3): makespan over its lower bound.
+
+    python -m benchmarks.bench_assign [--quick]
+
+For each skewed mix, three rules assign images to N ranks: round-robin by
+count (a cursor carried across requests), per-request largest-first by patch
+count (vLLM/sglang), and ours (largest-first over the fitted cost, with the
+loads left by earlier concurrent requests). Each image size's real forward time
+is measured on this machine (square grids, one torch thread, median of a few
+runs); a rank's time is the sum of its images' times, makespan the slowest
+rank, lower bound max(largest image, total / N). Measuring the per-size cost
+once, instead of timing every rank's batch, keeps the comparison exact on a
+noisy machine: all rules are priced with the same measured numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from kimi_encoder.assign import assign_owners, makespan, makespan_lower_bound
+from kimi_encoder.cost import calibrate
+from kimi_encoder.encoder import VisionEncoder
+
+from .common import conditions, table
+
+RULES = ("round-robin", "largest-first (patches)", "ours (fitted, load-aware)")
+
+
+def mixes(quick: bool) -> dict[str, list[list[int]]]:
+    """Name -> requests -> patch counts (square grids: 64 = 8x8 ... 4096 = 64x64)."""
+    rng = np.random.default_rng(0)
+    sides = [8, 16, 24, 32, 48, 64]
+
+    def zipf(k: int) -> list[int]:
+        return [sides[min(int(rng.zipf(1.8)) - 1, len(sides) - 1)] ** 2 for _ in range(k)]
+
+    return {
+        "1x4096 + 15x256": [[4096] + [256] * 15],
+        "1x4096 + 24x256": [[4096] + [256] * 24],
+        "16x256 (uniform)": [[256] * 16],
+        "Zipf sizes": [zipf(16)],
+        "4 concurrent requests, Zipf": [zipf(4) for _ in range(4)],
+    }
+
+
+def rule_owners(rule: str, requests: list[list[float]], patches: list[list[int]], n: int):
+    """Owners per request under ``rule``; ours carries loads across concurrent requests."""
+    out, loads, counter = [], [0.0] * n, 0
+    for costs, sizes in zip(requests, patches, strict=True):
+        if rule == RULES[0]:
+            owners = [(counter + i) % n for i in range(len(sizes))]
+            counter += len(sizes)
+        elif rule == RULES[1]:
+            owners = assign_owners(sizes, n)
+        else:
+            owners = assign_owners(costs, n, loads)
+            for c, r in zip(costs, owners, strict=True):
+                loads[r] += c
+        out.append(owners)
+    return out
+
+
+def size_costs(enc: VisionEncoder, sizes: set[int], repeats: int) -> dict[int, float]:
+    """Measured seconds of one forward of a square image of each patch count."""
+    out = {}
+    for p in sorted(sizes):
+        side = int(round(p**0.5))
+        enc.time_forward(side)  # warm-up
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            enc.time_forward(side)
+            runs.append(time.perf_counter() - start)
+        out[p] = statistics.median(runs)
+    return out
+
+
+def run(quick: bool, preset: str = "tiny", n: int = 2) -> tuple[str, list[list]]:
+    torch.set_num_threads(1)
+    enc = VisionEncoder.from_pretrained(preset, device="cpu", backend="cpu")
+    model = calibrate(enc.time_forward, (8, 16, 32), repeats=2)
+    all_mixes = mixes(quick)
+    sizes = {p for reqs in all_mixes.values() for req in reqs for p in req}
+    truth = size_costs(enc, sizes, 3 if quick else 7)
+    rows = []
+    for name, requests in all_mixes.items():
+        flat = [truth[p] for req in requests for p in req]
+        bound = makespan_lower_bound(flat, n)
+        costs = [[model(p) for p in req] for req in requests]
+        for rule in RULES:
+            owners = [o for req in rule_owners(rule, costs, requests, n) for o in req]
+            span = makespan(flat, owners, n)
+            rows.append(
+                [name, rule, f"{span * 1e3:.1f}", f"{bound * 1e3:.1f}", f"{span / bound:.3f}"]
+            )
+    fit = (
+        f"fitted cost (grids 8, 16, 32): a={model.a:.3g} s/p^2, b={model.b:.3g} s/p, "
+        f"c={model.c:.3g} s; measured: "
+        + ", ".join(f"{p} patches {t * 1e3:.1f} ms" for p, t in sorted(truth.items()))
+    )
+    note = conditions(preset, "per row (patch counts)", f"{n} ranks (priced, not served)", quick)
+    return f"{note}\n\n{fit}", rows
+
+
+HEADER = ["mix", "rule", "makespan ms", "lower bound ms", "makespan / bound"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    note, rows = run(args.quick)
+    print(note)
+    print(table(HEADER, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Throughput features over real HTTP: cross-request batching, the feature cache and its
+routing, fitted costs, load-aware assignment with two ingress replicas, thread count.
+
+Correctness only (never timings): counters in /v1/info prove what a rank did.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import numpy as np
+import pytest
+import requests
+from ray import serve
+from serve_helpers import FAST_SHUTDOWN, LIMITS, b64, decode_features, encode, make_image
+
+from deployments.app import bind_app
+from deployments.args import AppArgs
+from kimi_encoder.assign import assign_owners
+from kimi_encoder.cost import CostModel
+
+pytestmark = pytest.mark.serve
+
+
+def info(url: str) -> dict:
+    return requests.get(f"{url}/v1/info", timeout=30).json()
+
+
+def ranks(url: str) -> list[dict]:
+    return info(url)["ranks"]
+
+
+def items_of(*images: bytes) -> list[dict]:
+    return [{"type": "image", "image": b64(b)} for b in images]
+
+
+def fresh(seed: int, width: int = 80, height: int = 60) -> bytes:
+    """An image no other test sends (seeds from 1000 up)."""
+    return make_image(width, height, "RGB", 1000 + seed)
+
+
+@pytest.fixture(scope="module")
+def apps(serve_url):
+    """Two apps of this module, removed when it ends (one rank reserves both logical CPUs)."""
+    created = []
+
+    def run(name: str, args: AppArgs, **ingress) -> str:
+        serve.run(bind_app(args, FAST_SHUTDOWN, ingress), name=name, route_prefix=f"/{name}")
+        created.append(name)
+        return f"{serve_url}/{name}"
+
+    yield run
+    for name in created:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def batching_url(apps) -> str:
+    """dp 1, two CPUs for the rank, a 400 ms batch window, no cache."""
+    args = AppArgs(
+        dp_size=1,
+        device="cpu",
+        preprocess_backend="cpu",
+        rank_actor_options={"num_cpus": 2},
+        max_batch_wait_ms=400,
+        feature_cache_bytes=0,
+        **LIMITS,
+    )
+    return apps("batching", args)
+
+
+@pytest.fixture(scope="module")
+def two_ingress_url(apps) -> str:
+    """dp 2 behind two ingress replicas; a 1.5 s batch window keeps work outstanding."""
+    args = AppArgs(
+        dp_size=2,
+        device="cpu",
+        preprocess_backend="cpu",
+        max_batch_wait_ms=1500,
+        max_batch_patches=1 << 20,
+        feature_cache_bytes=0,
+        cost_model="patches",
+        load_report_interval_ms=0,
+        **LIMITS,
+    )
+    return apps("two_ingress", args, num_replicas=2)
+
+
+@pytest.fixture(scope="module")
+def cache_url(deploy) -> str:
+    """dp 2 with the defaults: fitted costs, a feature cache, cache affinity."""
+    return deploy(2, "cached", feature_cache_bytes=64 << 20, cost_model="fitted")
+
+
+def test_concurrent_requests_are_batched_and_match_unbatched(batching_url, reference):
+    images = [fresh(i, 60 + 10 * i, 50 + 5 * i) for i in range(4)]
+    before = ranks(batching_url)[0]
+    with cf.ThreadPoolExecutor(4) as pool:
+        responses = list(pool.map(lambda b: encode(batching_url, items_of(b)), images))
+    after = ranks(batching_url)[0]
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    assert after["forwarded"] - before["forwarded"] == 4
+    assert after["batches"] - before["batches"] < 4  # at least two requests shared a forward
+    assert after["max_batch_calls"] >= 2
+    for data, response in zip(images, responses, strict=True):
+        (item,) = response.json()["items"]
+        want = reference.encode([reference.plan(data)])[0].numpy()
+        np.testing.assert_allclose(decode_features(item), want, rtol=0, atol=1e-5)
+
+
+def test_rank_uses_its_cpu_allotment_as_torch_threads(batching_url, deploy):
+    assert ranks(batching_url)[0]["num_threads"] == 2
+    assert [r["num_threads"] for r in ranks(deploy(2))] == [1, 1]  # num_cpus 0 -> 1 thread
+
+
+def test_fitted_cost_model_is_exposed_and_used(cache_url):
+    body = info(cache_url)
+    for rank in body["ranks"]:
+        fit = rank["cost_model"]
+        assert min(fit["a"], fit["b"], fit["c"]) >= 0 and fit["grids"] == [8, 16, 32]
+    sizes = [(700, 520), (300, 200), (200, 150), (90, 60), (60, 40)]
+    images = [fresh(10 + i, w, h) for i, (w, h) in enumerate(sizes)]
+    response = encode(cache_url, items_of(*images))
+    assert response.status_code == 200, response.text
+    model = info(cache_url)["assignment"]["cost_model"]
+    assert model["source"] == "fitted"
+    cost = CostModel(model["a"], model["b"], model["c"])
+    got = response.json()["items"]
+    costs = [cost(int(np.prod(item["grid_thw"]))) for item in got]
+    assert [item["owner_rank"] for item in got] == assign_owners(costs, 2)
+
+
+def test_repeated_image_is_a_hit_on_the_rank_holding_it(cache_url):
+    image = fresh(20, 300, 200)
+    first = encode(cache_url, items_of(fresh(21, 640, 480), image)).json()["items"]
+    holder = first[1]["owner_rank"]
+    before = ranks(cache_url)
+    again = encode(cache_url, items_of(image)).json()["items"][0]
+    after = ranks(cache_url)
+    assert again["owner_rank"] == holder  # would be rank 0 by load alone when holder is 1
+    delta = {k: after[holder][k] - before[holder][k] for k in ("cache_hits", "preprocessed")}
+    assert delta == {"cache_hits": 1, "preprocessed": 0}
+    assert after[holder]["forwarded"] == before[holder]["forwarded"]
+    assert again["data"] == first[1]["data"]
+
+
+def test_duplicates_in_one_request_are_encoded_once(cache_url):
+    image = fresh(30, 200, 120)
+    before = ranks(cache_url)
+    body = encode(cache_url, items_of(image, image, image)).json()
+    after = ranks(cache_url)
+    forwarded = sum(a["forwarded"] - b["forwarded"] for a, b in zip(after, before, strict=True))
+    assert forwarded == 1 and len({item["data"] for item in body["items"]}) == 1
+    assert len({item["owner_rank"] for item in body["items"]}) == 1
+
+
+def test_transposed_pixels_and_other_backend_miss(cache_url):
+    raw = np.random.default_rng(5).integers(0, 256, (150, 30), dtype=np.uint8)
+    import io
+
+    from PIL import Image
+
+    def png(array: np.ndarray) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(array, "L").save(out, "PNG")
+        return out.getvalue()
+
+    tall, wide = png(raw), png(raw.reshape(30, 150))  # the same bytes, other shape
+    before = ranks(cache_url)
+    body = encode(cache_url, items_of(tall, wide)).json()["items"]
+    gpu = encode(cache_url, items_of(tall), backend="gpu").json()["items"]
+    after = ranks(cache_url)
+    hits = sum(a["cache_hits"] - b["cache_hits"] for a, b in zip(after, before, strict=True))
+    assert hits == 0
+    assert body[0]["grid_thw"] != body[1]["grid_thw"] and body[0]["data"] != body[1]["data"]
+    assert gpu[0]["grid_thw"] == body[0]["grid_thw"]
+
+
+def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url):
+    big = fresh(40, 700, 520)
+    smalls = [fresh(41 + i, 60, 40) for i in range(4)]
+    with cf.ThreadPoolExecutor(5) as pool:
+        first = pool.submit(encode, two_ingress_url, items_of(big))
+        deadline = time.monotonic() + 10
+        while ranks(two_ingress_url)[0]["outstanding"]["images"] == 0:  # reported while queued
+            assert time.monotonic() < deadline, "rank 0 never reported the big image"
+            time.sleep(0.02)
+        later = [pool.submit(encode, two_ingress_url, items_of(s)) for s in smalls]
+        answers = [first.result()] + [f.result() for f in later]
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    owners = [a.json()["items"][0]["owner_rank"] for a in answers]
+    # Patch counts alone would put every single-image request on idle rank 0; whichever
+    # ingress replica served a small request, it saw the big image outstanding on rank 0.
+    assert owners == [0, 1, 1, 1, 1]
