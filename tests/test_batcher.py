@@ -170,7 +170,8 @@ def test_forward_thread_uses_the_allotted_threads(encoder):
 def test_calibration_fits_a_cost_that_grows(encoder):
     b = batcher(encoder, calibration_grids=(4, 8, 16))
     model = b.cost_model
-    assert min(model.a, model.b, model.c) >= 0 and model(256) > model(16)
+    # non-negative terms: never decreasing (strictly growing is a timing, not a property)
+    assert min(model.a, model.b, model.c) >= 0 and model(256) >= model(16) > 0
     assert b.info()["cost_model"]["grids"] == [4, 8, 16]
 
 
