@@ -10,6 +10,7 @@ never read.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -104,39 +105,58 @@ def convert_state_dict(
 def load_model(
     root: str | Path, cfg: VisionConfig, device: torch.device, dtype: torch.dtype
 ) -> KimiVisionModel:
-    with torch.device("meta"):
-        model = KimiVisionModel(cfg)
+    model = _empty_model(cfg, device, dtype)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     state = convert_state_dict(read_vision_tensors(root), expected)
-    model = model.to_empty(device=device)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True)
-    _reset_buffers(model, cfg, device)
-    return model.to(dtype=dtype).eval()
+    return _fill(model, state.items(), cfg, device)
 
 
 def random_model(cfg: VisionConfig, seed: int, device, dtype: torch.dtype) -> KimiVisionModel:
-    """A model with seeded random weights (deterministic on any machine: drawn on CPU)."""
-    model = KimiVisionModel(cfg)
-    model.load_state_dict(random_state_dict(cfg, seed))
-    return model.to(device=device, dtype=dtype).eval()
+    """A model with seeded random weights (deterministic on any machine: drawn on CPU).
+
+    Tensors are drawn one at a time and copied into a model allocated in
+    ``dtype``, so peak memory stays near the model's own size.
+    """
+    return _fill(_empty_model(cfg, device, dtype), _random_tensors(cfg, seed), cfg, device)
 
 
 def random_state_dict(cfg: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
+    return dict(_random_tensors(cfg, seed))
+
+
+def _random_tensors(cfg: VisionConfig, seed: int) -> Iterator[tuple[str, torch.Tensor]]:
     with torch.device("meta"):
         shapes = {k: v.shape for k, v in KimiVisionModel(cfg).state_dict().items()}
     gen = torch.Generator().manual_seed(seed)
-    out = {}
     for key, shape in shapes.items():
         if "norm" in key and key.endswith(".weight"):
-            out[key] = 1.0 + 0.1 * torch.randn(shape, generator=gen)
+            yield key, 1.0 + 0.1 * torch.randn(shape, generator=gen)
         elif key.endswith(".bias"):
-            out[key] = 0.02 * torch.randn(shape, generator=gen)
+            yield key, 0.02 * torch.randn(shape, generator=gen)
         elif key.endswith("pos_emb.weight"):
-            out[key] = 0.1 * torch.randn(shape, generator=gen)
+            yield key, 0.1 * torch.randn(shape, generator=gen)
         else:
             fan_in = max(1, int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
-            out[key] = torch.randn(shape, generator=gen) / fan_in**0.5
-    return out
+            yield key, torch.randn(shape, generator=gen) / fan_in**0.5
+
+
+def _empty_model(cfg: VisionConfig, device, dtype: torch.dtype) -> KimiVisionModel:
+    with torch.device("meta"):
+        model = KimiVisionModel(cfg).to(dtype)
+    return model.to_empty(device=device)
+
+
+@torch.no_grad()
+def _fill(model: KimiVisionModel, tensors, cfg: VisionConfig, device) -> KimiVisionModel:
+    """Copy (key, tensor) pairs into the allocated model (casting), then rebuild buffers."""
+    params = model.state_dict()
+    seen = set()
+    for key, tensor in tensors:
+        params[key].copy_(tensor)
+        seen.add(key)
+    assert seen == set(params), sorted(set(params) ^ seen)
+    _reset_buffers(model, cfg, device)
+    return model.eval()
 
 
 def _reset_buffers(model: KimiVisionModel, cfg: VisionConfig, device) -> None:
