@@ -24,6 +24,13 @@ log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "EncodeServer"
 RANK_MAX_ONGOING_REQUESTS = 64
+# Bounded queues (issue 6): past them a rank's caller gets BackPressureError (the ingress
+# sends the images to another rank, or answers 503), and the proxy answers 503 with
+# Retry-After. A config's `deployments:` entries override these.
+RANK_MAX_QUEUED_REQUESTS = 64
+INGRESS_MAX_ONGOING_REQUESTS = 32
+INGRESS_MAX_QUEUED_REQUESTS = 64
+BACKPRESSURE = {"status_code": 503, "retry_after_s": 1}
 
 
 def rank_name(rank: int) -> str:
@@ -68,10 +75,18 @@ def bind_app(
         .options(
             name=rank_name(r),
             num_replicas=1,
-            ray_actor_options={"num_cpus": actor.num_cpus, "num_gpus": actor.num_gpus},
+            ray_actor_options={
+                "num_cpus": actor.num_cpus,
+                "num_gpus": actor.num_gpus,
+                **({"resources": actor.resources} if actor.resources else {}),
+            },
             # Cross-request batching needs calls in flight, and load reports must get in
             # while a rank is busy: a rank holds many cheap awaiting calls.
-            **{"max_ongoing_requests": RANK_MAX_ONGOING_REQUESTS, **extra},
+            **{
+                "max_ongoing_requests": RANK_MAX_ONGOING_REQUESTS,
+                "max_queued_requests": RANK_MAX_QUEUED_REQUESTS,
+                **extra,
+            },
         )
         .bind(
             r,
@@ -82,6 +97,8 @@ def bind_app(
             seed=args.seed,
             num_cpus=actor.num_cpus,
             batching=args.batching_config(),
+            max_inflight_bytes=args.max_inflight_bytes,
+            fault_injection=args.fault_injection,
         )
         for r in range(args.dp_size)
     ]
@@ -91,6 +108,9 @@ def bind_app(
             "name": INGRESS_NAME,
             "num_replicas": 1,
             "ray_actor_options": {"num_cpus": 0},
+            "max_ongoing_requests": INGRESS_MAX_ONGOING_REQUESTS,
+            "max_queued_requests": INGRESS_MAX_QUEUED_REQUESTS,
+            "backpressure_config": BACKPRESSURE,
             **extra,
             **(ingress_options or {}),
         }

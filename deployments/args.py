@@ -21,6 +21,11 @@ class RankActorOptions(BaseModel):
     num_cpus: float = Field(
         0, ge=0, description="Logical CPUs per rank; also its torch thread count (at least 1)."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per rank, e.g. {encoder_slot: 1} with one slot per "
+        "node to spread ranks over nodes (ray start --resources='{\"encoder_slot\": 1}').",
+    )
 
 
 class AppArgs(BaseModel):
@@ -104,6 +109,24 @@ class AppArgs(BaseModel):
         ge=0,
         description="A repeated image goes to the rank caching it while that rank's load is at "
         "most (1 + tolerance) x the finish of encoding it on the least-loaded rank.",
+    )
+    max_inflight_bytes: int = Field(
+        1 << 30,
+        ge=1,
+        description="Memory lease budget of each rank: input bytes plus float32 pixels and "
+        "features of the images it holds at once; more images wait (one larger than the "
+        "budget runs alone).",
+    )
+    rank_cooldown_s: float = Field(
+        2.0,
+        gt=0,
+        description="After an unavailable error (rank died, being replaced, queue full) the "
+        "ingress sends a rank no work for this long, then tries it again.",
+    )
+    fault_injection: bool = Field(
+        False,
+        description="Tests only: enables EncoderRank.inject_fault (fail health checks, delay "
+        "encodes). Never set it in production.",
     )
     load_report_interval_ms: float = Field(
         50.0,

@@ -174,6 +174,14 @@ class RankBatcher:
         }
         return results, stages
 
+    async def run_in_worker(self, fn, *args):
+        """``fn(*args)`` on the encode worker thread, after the batch in progress."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def run_in_worker_sync(self, fn, *args):
+        """``run_in_worker`` from outside an event loop (the rank's constructor)."""
+        return self._executor.submit(fn, *args).result()
+
     def load(self) -> dict:
         """Cheap report: each caller's queued or running work, and this rank's cost model."""
         return {

@@ -17,19 +17,26 @@ class RequestTimeoutError(TimeoutError):
         )
 
 
-async def gather_within(calls: Sequence[Any], timeout_s: float) -> list[Any]:
-    """Results of ``calls`` (Serve ``DeploymentResponse``s), in order, within ``timeout_s``.
+async def settle_within(
+    calls: Sequence[Any], timeout_s: float, request_timeout_s: float | None = None
+) -> list[Any]:
+    """Each call's result or exception (Serve ``DeploymentResponse``s), in order, within
+    ``timeout_s`` (what is left of the request's ``request_timeout_s``).
 
-    On timeout every call is cancelled with ``call.cancel()`` (awaiting a
+    One failed call does not cancel the others: the ingress sends a dead rank's
+    images to another rank and keeps the rest (deployments/failover.py). On
+    timeout every call is cancelled with ``call.cancel()`` (awaiting a
     ``DeploymentResponse`` and abandoning it would leave it running and holding
-    its rank's queue slot) and ``RequestTimeoutError`` is raised. Any other
-    failure cancels the calls still running too, then propagates.
+    its rank's queue slot) and ``RequestTimeoutError`` is raised; when the
+    request itself is cancelled (the client went away) the calls are cancelled too.
     """
     try:
-        return await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
+        return await asyncio.wait_for(
+            asyncio.gather(*calls, return_exceptions=True), max(timeout_s, 0.0)
+        )
     except asyncio.TimeoutError:
         _cancel_all(calls)
-        raise RequestTimeoutError(timeout_s) from None
+        raise RequestTimeoutError(request_timeout_s or timeout_s) from None
     except BaseException:
         _cancel_all(calls)
         raise

@@ -21,7 +21,7 @@ import statistics
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -81,14 +81,18 @@ class Dispatcher:
             return CostModel.patches()
         return CostModel(*(statistics.median(getattr(m, f) for m in fitted) for f in "abc"))
 
-    async def refresh(self, ranks: Sequence[Any]) -> None:
+    async def refresh(self, ranks: Sequence[Any], skip: Collection[int] = ()) -> None:
         """Poll the ranks whose last report is older than the interval (one poll at a time).
 
         Every encode answer carries its rank's report too (``observe``), so a busy rank
-        is rarely polled.
+        is rarely polled. Ranks in ``skip`` (down, deployments/failover.py) are not.
         """
         now = time.monotonic()
-        stale = [r for r, t in enumerate(self._reported_at) if now - t >= self.report_interval_s]
+        stale = [
+            r
+            for r, t in enumerate(self._reported_at)
+            if now - t >= self.report_interval_s and r not in skip
+        ]
         if not stale:
             return
         if self._poll is None or self._poll.done():
@@ -118,7 +122,8 @@ class Dispatcher:
     def loads(self) -> list[float]:
         return rank_loads(self._own, self._reports, self.caller, self.cost_model)
 
-    def plan(self, items: Sequence[EncoderItem]) -> Plan:
+    def plan(self, items: Sequence[EncoderItem], exclude: Collection[int] = ()) -> Plan:
+        """Owners of ``items``; ranks in ``exclude`` (down, deployments/failover.py) get none."""
         keys = [item_key(item, self.model_name, self.dtype) for item in items]
         seen: dict[str, int] = {}
         first = [seen.setdefault(key, i) for i, key in enumerate(keys)]
@@ -126,8 +131,10 @@ class Dispatcher:
         model = self.cost_model
         costs = [model(items[i].num_patches) for i in unique]
         holders = [self._holders.get(keys[i]) if self.cache_enabled else None for i in unique]
+        loads = [math.inf if r in exclude else load for r, load in enumerate(self.loads())]
+        assert len(exclude) < self.num_ranks, (exclude, self.num_ranks)
         chosen = assign_owners(
-            costs, self.num_ranks, self.loads(), holders=holders, tolerance=self.tolerance
+            costs, self.num_ranks, loads, holders=holders, tolerance=self.tolerance
         )
         owner_of = dict(zip(unique, chosen, strict=True))
         owners = [owner_of[first[i]] for i in range(len(items))]
@@ -150,11 +157,14 @@ class Dispatcher:
             for rank, work in enumerate(plan.work):
                 self._own[rank] = self._own[rank] - work
 
-    def record(self, plan: Plan) -> None:
-        """Remember which rank now caches each image (for later requests)."""
+    def record(self, plan: Plan, only: Collection[int] | None = None) -> None:
+        """Remember which rank now caches each image (for later requests); ``only`` the
+        ranks that answered, when given."""
         if not self.cache_enabled:
             return
         for rank, indices in plan.groups.items():
+            if only is not None and rank not in only:
+                continue
             for i in indices:
                 self._holders[plan.keys[i]] = rank
                 self._holders.move_to_end(plan.keys[i])

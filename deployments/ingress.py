@@ -17,8 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import ValidationError
 from ray import serve
-from ray.exceptions import RayActorError, RayTaskError
-from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.exceptions import RayTaskError
 from ray.serve.handle import DeploymentHandle
 from starlette.datastructures import UploadFile
 
@@ -27,8 +26,9 @@ from kimi_encoder.items import EncoderInputError, LimitExceededError
 
 from .admission import Admission, Admitted, read_body, replay
 from .args import AppArgs
-from .deadline import RequestTimeoutError, gather_within
+from .deadline import RequestTimeoutError, settle_within
 from .dispatch import Dispatcher
+from .failover import NoRankAvailableError, RankHealth, unavailable
 from .metrics import IngressMetrics, RequestTrace, Stamped, current_trace, dispatch_loads
 from .schemas import (
     EncodeRequest,
@@ -73,8 +73,6 @@ _MULTIPART_SCHEMA = {
         "backend": {"type": "string", "enum": ["gpu", "cpu"]},
     },
 }
-# A rank died, is being replaced, or its queue is full: the client should retry.
-_UNAVAILABLE = (RayActorError, BackPressureError, DeploymentUnavailableError)
 _SAFETENSORS_DOC = (
     "safetensors file: features.{i} float32, grid_thw.{i} int64 [1, 3]; "
     "metadata 'owner_ranks' (JSON list) and 'model'."
@@ -82,8 +80,11 @@ _SAFETENSORS_DOC = (
 _FORM_FIELDS = {"image", "response_format", "backend"}
 
 
-def error_response(status: int, kind: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message}}, status_code=status)
+def error_response(
+    status: int, kind: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = {"error": {"type": kind, "message": message}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _field_path(loc: tuple) -> list:
@@ -170,6 +171,14 @@ def _with_request_schemas(app: FastAPI) -> None:
 _with_request_schemas(api)
 
 
+class _Attempt:
+    """What one dispatch round got: ``done`` {index: (features, owner, rank ms)}, ``pending``."""
+
+    def __init__(self):
+        self.done: dict[int, tuple[np.ndarray, int, float]] = {}
+        self.pending: list[int] = []
+
+
 # The class comes last: serve.ingress freezes (cloudpickles) the FastAPI app and its
 # routes when it decorates, so every helper and the openapi override must exist by then.
 @serve.ingress(api)
@@ -193,6 +202,7 @@ class EncodeServer:
             affinity_tolerance=args.cache_affinity_tolerance,
             cache_enabled=args.feature_cache_bytes > 0,
         )
+        self.health = RankHealth(ranks, args.rank_cooldown_s)
         self.metrics = IngressMetrics(args.dp_size)
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
@@ -253,13 +263,9 @@ class EncodeServer:
                 return error_response(504, "timeout", str(cause))
             if isinstance(cause, EncoderInputError):
                 return _input_error(cause)
-            if isinstance(cause, _UNAVAILABLE):
-                return error_response(
-                    503,
-                    "unavailable",
-                    f"an encoder rank is unavailable ({type(cause).__name__}: "
-                    f"{cause}); retry the request with backoff.",
-                )
+            if isinstance(cause, NoRankAvailableError):
+                retry = {"Retry-After": str(cause.retry_after_s)}
+                return error_response(503, "unavailable", str(cause), retry)
             log.exception("encode failed")
             return error_response(500, "internal_error", f"{type(cause).__name__}: {cause}")
         done = time.perf_counter()
@@ -298,6 +304,7 @@ class EncodeServer:
             "preprocess_backend": self.args.default_backend,
             "dp_size": len(self.ranks),
             "assignment": self.dispatcher.info(),
+            "failover": self.health.info(),
             "ranks": ranks,
         }
 
@@ -361,11 +368,55 @@ class EncodeServer:
     async def _fan_out(
         self, admitted: Admitted
     ) -> tuple[list[np.ndarray], list[int], dict[int, float]]:
-        """Call only the ranks that own something, concurrently; gather in request order."""
-        items, sources = admitted.items, admitted.sources
-        await self.dispatcher.refresh(self.ranks)
-        plan = self.dispatcher.plan(items)  # duplicates once; fitted costs, loads, cache affinity
-        owners, groups = plan.owners, plan.groups
+        """Call only the ranks that own something, concurrently; gather in request order.
+
+        A rank that fails with an unavailable error (deployments/failover.py) is marked
+        down and its images go to the ranks still up, until all have features or
+        request_timeout_s is spent; with no rank up, NoRankAvailableError (503).
+        """
+        items = admitted.items
+        timeout_s = self.args.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        features: list[np.ndarray | None] = [None] * len(items)
+        owners: list[int] = [-1] * len(items)
+        rank_ms: dict[int, float] = {}
+        pending = list(range(len(items)))  # request indices still without features
+        await self.dispatcher.refresh(self.ranks, skip=self.health.down())
+        while pending:
+            if len(down := self.health.down()) == len(self.ranks):
+                raise NoRankAvailableError(self.health.retry_after_s())
+            attempt = await self._dispatch(pending, admitted, down, deadline, timeout_s)
+            for i, (array, owner, ms) in attempt.done.items():
+                features[i], owners[i] = array, owner
+                rank_ms[owner] = ms
+            self.health.redispatched += len(attempt.pending)
+            pending = attempt.pending
+        if (trace := current_trace()) is not None:
+            trace.owners = owners
+            trace.results_at = time.perf_counter()
+        merge, width = self.vision.merge_kernel_size[0], self.vision.text_hidden_size
+        for i, (item, array) in enumerate(zip(items, features, strict=True)):
+            expected = (item.num_tokens(merge), width)
+            if array is None or tuple(array.shape) != expected:
+                got = None if array is None else tuple(array.shape)
+                raise RuntimeError(
+                    f"item {i}: rank {owners[i]} returned {got}, grid needs {expected}"
+                )
+        return features, owners, rank_ms  # type: ignore[return-value]
+
+    async def _dispatch(
+        self,
+        pending: list[int],
+        admitted: Admitted,
+        down: set[int],
+        deadline: float,
+        timeout_s: float,
+    ) -> _Attempt:
+        """One round: ``pending`` items to the ranks not ``down``; what came back, what failed."""
+        items = [admitted.items[i] for i in pending]
+        sources = [admitted.sources[i] for i in pending]
+        plan = self.dispatcher.plan(items, exclude=down)  # dupes once; costs, loads, affinity
+        groups = plan.groups
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
         calls = [
             Stamped(
@@ -378,33 +429,42 @@ class EncodeServer:
             )
             for rank, idx in groups.items()
         ]
-        if (trace := current_trace()) is not None:
-            trace.owners = owners
         in_flight = self.metrics.dispatched(dispatch_loads(groups, items))
         with in_flight, self.dispatcher.dispatched(plan):
-            results = await gather_within(calls, self.args.request_timeout_s)
-        if trace is not None:
-            trace.results_at = time.perf_counter()
-            trace.ranks_done(list(groups), results, calls)
-        features: list[np.ndarray | None] = [None] * len(items)
-        rank_ms: dict[int, float] = {}
-        for (rank, idx), result in zip(groups.items(), results, strict=True):
+            results = await settle_within(calls, deadline - time.monotonic(), timeout_s)
+        got: dict[int, np.ndarray] = {}  # index in `items` -> features
+        ok_ranks, ok_results, ok_calls, ms = [], [], [], {}
+        first_error: BaseException | None = None
+        for (rank, idx), result, call in zip(groups.items(), results, calls, strict=True):
+            if isinstance(result, BaseException):
+                if unavailable(result):
+                    self.health.mark_down(rank, result)
+                    continue
+                first_error = first_error or result
+                continue
+            self.health.mark_up(rank)
             assert result["rank"] == rank and len(result["features"]) == len(idx), (rank, idx)
-            rank_ms[rank] = result["encode_ms"]
+            ms[rank] = result["encode_ms"]
             self.dispatcher.observe(rank, result.get("load"))
+            ok_ranks.append(rank)
+            ok_results.append(result)
+            ok_calls.append(call)
             for i, array in zip(idx, result["features"], strict=True):
-                features[i] = array
-        features = [features[j] for j in plan.first]  # a duplicate shares its first copy's array
-        self.dispatcher.record(plan)
-        merge, width = self.vision.merge_kernel_size[0], self.vision.text_hidden_size
-        for i, (item, array) in enumerate(zip(items, features, strict=True)):
-            expected = (item.num_tokens(merge), width)
-            if array is None or tuple(array.shape) != expected:
-                got = None if array is None else tuple(array.shape)
-                raise RuntimeError(
-                    f"item {i}: rank {owners[i]} returned {got}, grid needs {expected}"
-                )
-        return features, owners, rank_ms  # type: ignore[return-value]
+                got[i] = array
+        if first_error is not None:
+            raise first_error  # an input error or an encoder failure: never retried
+        if (trace := current_trace()) is not None:
+            trace.ranks_done(ok_ranks, ok_results, ok_calls)
+        self.dispatcher.record(plan, only=set(ok_ranks))
+        attempt = _Attempt()
+        for j, request_index in enumerate(pending):
+            array = got.get(plan.first[j])  # a duplicate shares its first copy's array
+            if array is None:
+                attempt.pending.append(request_index)
+            else:
+                owner = plan.owners[j]
+                attempt.done[request_index] = (array, owner, ms[owner])
+        return attempt
 
     def _json(self, admitted, features, owners, timings, started) -> dict[str, Any]:
         out = []

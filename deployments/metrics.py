@@ -89,6 +89,12 @@ DEFINITIONS = (
         "Input bytes (encoded files or pixel values) dispatched to a rank, not yet answered.",
     ),
     ("batch_images", "gauge", ("rank",), "Images in the rank's latest tower+projector batch."),
+    (
+        "leased_bytes",
+        "gauge",
+        ("rank",),
+        "Bytes of inputs, pixels and features a rank holds under memory leases now.",
+    ),
 )
 
 
@@ -325,6 +331,11 @@ class RankMetrics:
         self.stage_ms = _make("stage_ms")
         self.batch_images = _make("batch_images")
         self.batch_images.set(0, tags=self.tags)
+        self.leased_bytes = _make("leased_bytes")
+
+    def leased(self, nbytes: int) -> None:
+        """The bytes the rank's memory leases hold now (max_inflight_bytes bounds them)."""
+        self.leased_bytes.set(nbytes, tags=self.tags)
 
     def encoded(
         self, images: int, patches: int, tokens: int, backend: str, stages_ms: Mapping[str, float]

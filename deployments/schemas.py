@@ -206,4 +206,9 @@ class InfoResponse(BaseModel):
         "(cost of a p-patch image: a*p^2 + b*p + c), current rank loads in that unit, "
         "affinity_tolerance, load_report_interval_ms.",
     )
+    failover: dict[str, Any] | None = Field(
+        None,
+        description="Rank failures seen by this ingress replica: ranks_up, unavailable_errors "
+        "per rank, redispatched_images, cooldown_s.",
+    )
     ranks: list[RankInfo] = Field(description="Each rank's own report (calls, items, device...).")

@@ -1,0 +1,117 @@
+"""Backpressure and memory bounds over real HTTP: a burst past the ingress's and the rank's
+queues is answered 200 or 503 with Retry-After (nothing else, nothing hangs); the rank's
+memory leases bound what it holds and all come back, also after a 504 timeout."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import numpy as np
+import pytest
+import requests
+from ray import serve
+from serve_helpers import FAST_SHUTDOWN, LIMITS, b64, decode_features, make_image, one_thread
+
+from deployments.app import bind_app, rank_name
+from deployments.args import AppArgs
+
+pytestmark = pytest.mark.serve
+
+APP = "bp"
+BUDGET = 300_000  # bytes: one 2-image call of these sizes fits, two do not
+BURST = 16
+
+
+def body(seed: int) -> list[bytes]:
+    return [make_image(96, 64, "RGB", 7000 + seed), make_image(64, 96, "RGB", 7100 + seed)]
+
+
+def post(url: str, data: list[bytes], timeout: float = 60) -> requests.Response:
+    items = [{"type": "image", "image": b64(b)} for b in data]
+    return requests.post(f"{url}/v1/encode", json={"items": items}, timeout=timeout)
+
+
+def leases(url: str) -> dict:
+    (rank,) = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    return rank["leases"]
+
+
+def delay(seconds: float | None) -> None:
+    handle = serve.get_deployment_handle(rank_name(0), app_name=APP)
+    handle.inject_fault.remote("encode_delay_s", seconds).result(timeout_s=30)
+
+
+@pytest.fixture(scope="module")
+def bp_url(serve_url):
+    args = AppArgs(
+        dp_size=1,
+        device="cpu",
+        preprocess_backend="cpu",
+        fault_injection=True,
+        max_inflight_bytes=BUDGET,
+        request_timeout_s=4,
+        rank_cooldown_s=0.5,
+        feature_cache_bytes=0,
+        cost_model="patches",
+        calibration_grids=[],
+        **LIMITS,
+    )
+    small_queues = {**FAST_SHUTDOWN, "max_ongoing_requests": 2, "max_queued_requests": 2}
+    ingress = {"max_ongoing_requests": 6, "max_queued_requests": 2}
+    serve.run(bind_app(args, small_queues, ingress), name=APP, route_prefix=f"/{APP}")
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+def wait_idle(url: str, bound_s: float = 15) -> dict:
+    deadline = time.monotonic() + bound_s
+    while True:
+        state = leases(url)
+        if state["inflight_bytes"] == 0 and state["leases_granted"] == state["leases_released"]:
+            return state
+        assert time.monotonic() < deadline, state
+        time.sleep(0.2)
+
+
+def test_burst_past_the_queues_is_200_or_503_with_retry_after(bp_url, reference):
+    delay(0.5)
+    started = time.monotonic()
+    with cf.ThreadPoolExecutor(BURST) as pool:
+        answers = list(pool.map(lambda k: post(bp_url, body(k), timeout=30), range(BURST)))
+    burst_s = time.monotonic() - started
+    statuses = [a.status_code for a in answers]
+    assert set(statuses) <= {200, 503}, statuses
+    assert 200 in statuses and 503 in statuses, statuses
+    for answer in answers:
+        if answer.status_code == 503:
+            assert int(answer.headers["Retry-After"]) >= 1, answer.headers
+    with one_thread():
+        for k, answer in enumerate(answers):
+            if answer.status_code == 200:
+                want = reference.encode([reference.plan(b) for b in body(k)])
+                for item, expected in zip(answer.json()["items"], want, strict=True):
+                    got = decode_features(item)
+                    np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
+    delay(None)
+    state = wait_idle(bp_url)
+    assert state["peak_inflight_bytes"] <= BUDGET and state["leases_waited"] >= 1, state
+    print(
+        f"\nburst of {BURST}: {statuses.count(200)} x 200, {statuses.count(503)} x 503 "
+        f"in {burst_s:.2f} s; lease peak {state['peak_inflight_bytes']} of {BUDGET} bytes"
+    )
+    deadline = time.monotonic() + 20  # after the burst the rank takes work again
+    while (answer := post(bp_url, body(99))).status_code != 200:
+        assert answer.status_code == 503 and time.monotonic() < deadline, answer.text
+        time.sleep(float(answer.headers["Retry-After"]))
+
+
+def test_timeout_is_504_and_releases_the_lease(bp_url):
+    delay(6.0)  # longer than request_timeout_s=4
+    started = time.monotonic()
+    answer = post(bp_url, body(200))
+    elapsed = time.monotonic() - started
+    delay(None)
+    assert answer.status_code == 504 and answer.json()["error"]["type"] == "timeout", answer.text
+    assert elapsed < 8, elapsed
+    wait_idle(bp_url)

@@ -1,0 +1,47 @@
+"""Beyond one machine: a simulated two-node Ray cluster (``ray.cluster_utils.Cluster``).
+
+Runs ``multinode_cluster.py`` in a subprocess with its own Ray cluster (the session's
+shared cluster is not touched): ranks are placed one per worker node through a
+custom resource, serve the in-process encoder's features, and the app keeps serving
+on the surviving rank after the other worker node is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from serve_helpers import free_port
+
+pytestmark = pytest.mark.serve
+
+SCRIPT = Path(__file__).with_name("multinode_cluster.py")
+ROOT = Path(__file__).resolve().parents[2]
+SURVIVE_BOUND_S = 30  # node removed -> the request in flight and three more answered 200
+
+
+def test_two_node_cluster_places_ranks_on_both_and_survives_a_node_loss():
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), str(free_port())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"no result (rc {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    out = json.loads(lines[-1])
+    print(f"\n{out}")
+    assert sorted(out["rank_nodes"]) == sorted(out["workers"]), out  # one rank per worker node
+    assert out["before"]["status"] == 200 and out["before"]["max_error"] <= 1e-5, out
+    assert set(out["before"]["owners"]) == {0, 1}, out
+    for answer in [out["during"], *out["after"]]:
+        assert answer["status"] == 200 and answer["max_error"] <= 1e-5, out
+        assert set(answer["owners"]) == {0}, out  # only the surviving rank
+    assert out["after_s"] < SURVIVE_BOUND_S, out
