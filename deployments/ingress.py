@@ -309,8 +309,10 @@ class EncodeServer:
         }
 
     @api.get("/v1/load", summary="In-flight requests, images, patches and bytes per rank")
-    async def load(self) -> dict[str, Any]:
+    async def load(self, request: Request) -> Any:
         """What this ingress replica has dispatched to each rank and not yet got back."""
+        if (denied := self.api_key.deny(request)) is not None:
+            return denied
         return {"ranks": self.metrics.load()}
 
     @api.get("/", response_class=HTMLResponse, include_in_schema=False)

@@ -53,10 +53,11 @@ def small_body() -> dict:
     [{}, auth(WRONG), {"authorization": KEY}, {"authorization": f"Basic {KEY}"}],
     ids=["none", "wrong-key", "no-scheme", "basic"],
 )
-def test_encode_and_info_need_the_key(strict, headers):
+def test_encode_info_and_load_need_the_key(strict, headers):
     for response in (
         requests.post(f"{strict}/v1/encode", json=small_body(), headers=headers, timeout=60),
         requests.get(f"{strict}/v1/info", headers=headers, timeout=60),
+        requests.get(f"{strict}/v1/load", headers=headers, timeout=60),
     ):
         assert response.status_code == 401, response.text
         assert response.headers["www-authenticate"] == "Bearer"
@@ -74,6 +75,7 @@ def test_the_key_opens_and_healthz_stays_open(strict):
     response = requests.post(f"{strict}/v1/encode", json=small_body(), headers=auth(), timeout=60)
     assert response.status_code == 200, response.text
     assert requests.get(f"{strict}/v1/info", headers=auth(), timeout=60).json()["dp_size"] == 1
+    assert "ranks" in requests.get(f"{strict}/v1/load", headers=auth(), timeout=60).json()
     # A bad body with a bad key is refused for the key: nothing is parsed before the check.
     response = requests.post(
         f"{strict}/v1/encode", data=b"\x80\x04junk", headers=auth(WRONG), timeout=60
