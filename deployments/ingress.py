@@ -290,15 +290,9 @@ class EncodeServer:
         if (denied := self.api_key.deny(request)) is not None:
             return denied
         ranks = await asyncio.gather(*(self._rank_info(r) for r in range(len(self.ranks))))
-        v = self.vision
         return {
             "model": self.model_name,
-            "variant": v.variant,
-            "hidden_size": v.hidden_size,
-            "num_layers": v.num_layers,
-            "text_hidden_size": v.text_hidden_size,
-            "patch_size": v.patch_size,
-            "merge_kernel_size": list(v.merge_kernel_size),
+            **self.vision.summary(),
             "dtype": self.args.dtype,
             "device": self.args.rank_device,
             "preprocess_backend": self.args.default_backend,

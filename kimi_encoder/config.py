@@ -124,6 +124,17 @@ class VisionConfig:
     def merge_area(self) -> int:
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
+    def summary(self) -> dict[str, Any]:
+        """The dims a client needs to place features: variant, widths, patch and merge sizes."""
+        return {
+            "variant": self.variant,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+            "text_hidden_size": self.text_hidden_size,
+            "patch_size": self.patch_size,
+            "merge_kernel_size": list(self.merge_kernel_size),
+        }
+
     @classmethod
     def from_checkpoint_config(cls, config: dict[str, Any]) -> VisionConfig:
         """Build from a checkpoint's parsed ``config.json``.

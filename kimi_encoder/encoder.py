@@ -156,14 +156,9 @@ class VisionEncoder:
             torch.cuda.synchronize(self.device)
 
     def info(self) -> dict:
-        v = self.vision
         return {
             "model": self.name,
-            "variant": v.variant,
-            "hidden_size": v.hidden_size,
-            "num_layers": v.num_layers,
-            "text_hidden_size": v.text_hidden_size,
-            "patch_size": v.patch_size,
+            **self.vision.summary(),
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "backend": self.backend,
