@@ -15,7 +15,6 @@ noisy machine: all rules are priced with the same measured numbers.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -27,7 +26,7 @@ from kimi_encoder.assign import assign_owners, makespan, makespan_lower_bound
 from kimi_encoder.cost import calibrate
 from kimi_encoder.encoder import VisionEncoder
 
-from .common import conditions, table
+from .common import conditions, standalone
 
 RULES = ("round-robin", "largest-first (patches)", "ours (fitted, load-aware)")
 
@@ -129,13 +128,7 @@ HEADER = ["mix", "rule", "makespan ms", "lower bound ms", "makespan / bound"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    note, rows = run(args.quick)
-    print(note)
-    print(table(HEADER, rows))
-    return 0
+    return standalone(__doc__, run, HEADER, argv)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ over a 32x32-patch image. The baseline row is the same process without a model.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 
-from .common import conditions, table
+from .common import conditions, standalone
 
 CASES = [
     ("baseline (python + torch + kimi_encoder)", None, "float32", False),
@@ -75,13 +74,7 @@ HEADER = ["case", "dtype", "forward", "parameters", "peak RSS MiB", "build s"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    note, rows = run(args.quick)
-    print(note)
-    print(table(HEADER, rows))
-    return 0
+    return standalone(__doc__, run, HEADER, argv)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ assembly over the raw float32 bytes: the copies made, the body included.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import json
 import sys
@@ -23,7 +22,7 @@ from safetensors.numpy import save as save_safetensors
 
 from deployments.wire import json_body, safetensors_body
 
-from .common import conditions, table
+from .common import conditions, standalone
 
 
 def features(total_mb: int, width: int = 7168) -> list[np.ndarray]:
@@ -95,13 +94,7 @@ HEADER = ["assembly", "ms per MB of features", "alloc / payload"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    note, rows = run(args.quick)
-    print(note)
-    print(table(HEADER, rows))
-    return 0
+    return standalone(__doc__, run, HEADER, argv)
 
 
 if __name__ == "__main__":

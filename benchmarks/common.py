@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import platform
@@ -91,3 +92,14 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def standalone(doc: str, run, header: list[str], argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.bench_X [--quick]``: run one section and print its table."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    note, rows = run(args.quick)
+    print(note)
+    print(table(header, rows))
+    return 0
