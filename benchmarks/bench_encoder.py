@@ -113,22 +113,14 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
         from reference_k25 import load_reference, reference_features, write_transformers_config
     except ImportError as exc:
         return [f"| transformers comparison skipped: {exc} |"]
-    vision = VisionConfig(
+    vision = VisionConfig.k25(
         hidden_size=384,
         num_layers=6,
         num_heads=6,
-        qkv_hidden_size=384,
         intermediate_size=1536,
         pos_emb_height=64,
         pos_emb_width=64,
-        mm_hidden_size=384,
         text_hidden_size=1024,
-        norm_type="layernorm",
-        attn_bias=True,
-        linear_bias=True,
-        patch_embed_proj_bias=True,
-        pos_emb_interpolation_mode="bicubic",
-        projector_type="patchmerger",
     )
     preprocess = PreprocessConfig(in_patch_limit=4096, patch_limit_on_one_side=128)
     with tempfile.TemporaryDirectory() as tmp:

@@ -124,6 +124,20 @@ class VisionConfig:
     def merge_area(self) -> int:
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
 
+    @classmethod
+    def k25(cls, **dims: Any) -> VisionConfig:
+        """A Kimi-K2.5-layout tower of the given dims (LayerNorm with biases, qkv and
+        projector widths equal to ``hidden_size``, bicubic position interpolation)."""
+        hidden = dims.get("hidden_size", 1152)
+        return cls(
+            **{
+                "qkv_hidden_size": hidden,
+                "mm_hidden_size": hidden,
+                **_K25_ORIGINAL_DEFAULTS,
+                **dims,
+            }
+        )
+
     def summary(self) -> dict[str, Any]:
         """The dims a client needs to place features: variant, widths, patch and merge sizes."""
         return {
@@ -278,14 +292,8 @@ class Preset:
     description: str
 
 
-_K25_VISION = VisionConfig(
-    hidden_size=1152,
-    num_layers=27,
-    num_heads=16,
-    qkv_hidden_size=1152,
-    intermediate_size=4304,
-    mm_hidden_size=1152,
-    **_K25_ORIGINAL_DEFAULTS,
+_K25_VISION = VisionConfig.k25(
+    hidden_size=1152, num_layers=27, num_heads=16, intermediate_size=4304
 )
 
 PRESETS: dict[str, Preset] = {

@@ -57,22 +57,14 @@ PIXEL_TOL = 1e-6
 SEED = 1234
 
 # Tiny K2.5-shaped tower: LayerNorm with biases, qkv width == hidden, bicubic pos-emb.
-VISION = VisionConfig(
+VISION = VisionConfig.k25(
     hidden_size=64,
     num_layers=2,
     num_heads=4,
-    qkv_hidden_size=64,
     intermediate_size=128,
     pos_emb_height=16,
     pos_emb_width=16,
-    mm_hidden_size=64,
     text_hidden_size=80,
-    norm_type="layernorm",
-    attn_bias=True,
-    linear_bias=True,
-    patch_embed_proj_bias=True,
-    pos_emb_interpolation_mode="bicubic",
-    projector_type="patchmerger",
 )
 PREPROCESS = PreprocessConfig(
     in_patch_limit=1024,
