@@ -1,8 +1,9 @@
-"""Admission at the ingress: decode the request's envelope, gate modality, split, plan, limit.
+"""Admission at the ingress: read the body, decode its envelope, gate modality, split,
+plan, limit.
 
-Pure functions over the library (no ray): everything that can refuse a
-request runs here, so a bad request never reaches a rank. Pixels are never
-decoded here; images are planned from their headers alone.
+No ray here: everything that can refuse a request runs in this module, so a bad
+request never reaches a rank. Pixels are never decoded here; images are planned
+from their headers alone.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
 
 from kimi_encoder.config import PreprocessConfig, VisionConfig
 from kimi_encoder.items import (
@@ -29,15 +32,33 @@ from kimi_encoder.items import (
 )
 
 from .args import AppArgs
-from .schemas import EncodeRequest, ImageItem
+from .schemas import EncodeRequest, ImageItem, ResponseFormat
+
+FORM_FIELDS = ("image", "response_format", "backend")
+
+
+class UnsupportedMediaTypeError(EncoderInputError):
+    """A body that is neither JSON nor multipart (HTTP 415)."""
+
+    def __init__(self, content_type: str):
+        super().__init__(
+            f"Content-Type {content_type!r} is not supported; send application/json "
+            "(EncodeRequest) or multipart/form-data with 'image' files."
+        )
+
+
+class FormError(EncoderInputError):
+    """A malformed multipart body (HTTP 422)."""
 
 
 @dataclass
 class Admitted:
-    """Items ready for dispatch (one grid each) and the request item each came from."""
+    """Items ready for dispatch (one grid each), the request item each came from, and how
+    the answer is written."""
 
     items: list[EncoderItem]
     sources: list[int]
+    response_format: ResponseFormat = "json"
 
     @property
     def patches(self) -> int:
@@ -51,6 +72,42 @@ class Admission:
     vision: VisionConfig
     preprocess: PreprocessConfig
     args: AppArgs
+
+    async def admit(self, request: Request) -> Admitted:
+        """A ``POST /v1/encode`` body: JSON (``EncodeRequest``) or multipart ``image`` files."""
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit():
+            self.check_body_size(int(length))
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind not in ("application/json", "", "multipart/form-data"):
+            raise UnsupportedMediaTypeError(kind)
+        # Read (at most max_request_bytes) first, then parse from memory: a chunked upload
+        # without a Content-Length can neither fill the memory nor the temp-file disk.
+        body = await read_body(request.stream(), self.args.max_request_bytes)
+        if kind == "multipart/form-data":
+            return await self._admit_form(Request(request.scope, replay(body)))
+        return self.admit_json(EncodeRequest.model_validate_json(body))
+
+    async def _admit_form(self, request: Request) -> Admitted:
+        limit = self.args.max_images_per_request + 1
+        async with request.form(max_files=limit, max_fields=limit + 8) as form:
+            unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
+            if unknown:
+                raise FormError(f"unknown form fields {unknown}; allowed: {sorted(FORM_FIELDS)}.")
+            uploads = form.getlist("image")
+            if not uploads or not all(isinstance(u, UploadFile) for u in uploads):
+                raise FormError(
+                    "send one or more files in the 'image' field "
+                    "(curl -F image=@a.png -F image=@b.jpg)."
+                )
+            files = [await u.read() for u in uploads]
+            fmt, backend = (form.get(k) or None for k in ("response_format", "backend"))
+        if fmt not in (None, "json", "safetensors"):
+            raise FormError(f"response_format {fmt!r} is not one of 'json', 'safetensors'.")
+        self.check_body_size(sum(len(f) for f in files))
+        admitted = self.admit_files(files, backend)
+        admitted.response_format = fmt or "json"
+        return admitted
 
     def backend(self, requested: str | None) -> str:
         """The request's backend: its own choice ('gpu'/'cpu') or the configured default."""
@@ -82,7 +139,7 @@ class Admission:
             items += new
             sources += [index] * len(new)
             self._check_count(len(items))
-        return self._checked(Admitted(items, sources))
+        return self._checked(Admitted(items, sources, request.response_format))
 
     def admit_files(self, files: list[bytes], backend: str | None) -> Admitted:
         """Multipart upload: each file is one image."""

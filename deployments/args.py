@@ -11,21 +11,53 @@ from kimi_encoder.items import resolve_backend
 from .batcher import BatchingConfig
 
 
-class RankActorOptions(BaseModel):
-    """Resources of each encoder rank (Ray actor options)."""
+class ActorOptions(BaseModel):
+    """Resources of each replica of a deployment (Ray actor options)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    num_gpus: float = Field(0, ge=0, description="GPUs per rank: 1 on a GPU node, 0 on CPU.")
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica: 1 per rank on a GPU node.")
     # 0 so that the ingress and two ranks fit a 2-core machine; torch still gets one thread.
     num_cpus: float = Field(
-        0, ge=0, description="Logical CPUs per rank; also its torch thread count (at least 1)."
+        0, ge=0, description="Logical CPUs per replica; a rank's torch thread count (at least 1)."
     )
     resources: dict[str, float] = Field(
         default_factory=dict,
-        description="Custom Ray resources per rank, e.g. {encoder_slot: 1} with one slot per "
+        description="Custom Ray resources per replica, e.g. {encoder_slot: 1} with one slot per "
         "node to spread ranks over nodes (ray start --resources='{\"encoder_slot\": 1}').",
     )
+
+
+class ServeOptions(BaseModel):
+    """Serve deployment options that ``build_app`` gives a deployment (every rank, or the
+    ingress). A config's ``deployments:`` entry may still override one deployment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_ongoing_requests: int = Field(ge=1, description="Calls one replica runs at once.")
+    max_queued_requests: int = Field(
+        description="Calls waiting per caller beyond those (-1: unbounded); past it 503."
+    )
+    health_check_period_s: float = Field(10, gt=0, description="Seconds between health checks.")
+    health_check_timeout_s: float = Field(
+        30, gt=0, description="A health check slower than this fails (the replica is replaced)."
+    )
+    graceful_shutdown_wait_loop_s: float = Field(
+        2, gt=0, description="How often a stopping replica checks that its calls are done."
+    )
+    graceful_shutdown_timeout_s: float = Field(
+        20, ge=0, description="Longest a stopping replica drains its calls before it is killed."
+    )
+
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _queue_bound(cls, value: int) -> int:
+        if value == 0 or value < -1:
+            raise ValueError(
+                f"max_queued_requests must be -1 (unbounded) or at least 1, got {value}."
+            )
+        return value
 
 
 class AppArgs(BaseModel):
@@ -52,8 +84,27 @@ class AppArgs(BaseModel):
         description="Default pixel pipeline: 'gpu' (torch ops on the rank's device), 'cpu' "
         "(PIL) or 'auto' (gpu on a cuda rank, else cpu). Requests may override with gpu/cpu.",
     )
-    rank_actor_options: RankActorOptions = Field(
-        default_factory=RankActorOptions, description="Resources of each encoder rank."
+    rank_actor_options: ActorOptions = Field(
+        default_factory=ActorOptions, description="Resources of each encoder rank."
+    )
+    # Cross-request batching needs calls in flight, and load reports must get in while a
+    # rank is busy: a rank holds many cheap awaiting calls.
+    rank_options: ServeOptions = Field(
+        default_factory=lambda: ServeOptions(max_ongoing_requests=64, max_queued_requests=64),
+        description="Serve options of every rank (queue limits, health checks, shutdown).",
+    )
+    ingress_replicas: int = Field(
+        1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
+    )
+    # The ingress parses headers and moves arrays: by default it reserves nothing.
+    ingress_actor_options: ActorOptions = Field(
+        default_factory=ActorOptions,
+        description="Resources of each ingress replica (no GPU), e.g. resources {head: 0.01} "
+        "to keep it on the head node.",
+    )
+    ingress_options: ServeOptions = Field(
+        default_factory=lambda: ServeOptions(max_ongoing_requests=32, max_queued_requests=64),
+        description="Serve options of each ingress replica.",
     )
     seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
     max_request_bytes: int = Field(
@@ -123,11 +174,6 @@ class AppArgs(BaseModel):
         description="After an unavailable error (rank died, being replaced, queue full) the "
         "ingress sends a rank no work for this long, then tries it again.",
     )
-    fault_injection: bool = Field(
-        False,
-        description="Tests only: enables EncoderRank.inject_fault (fail health checks, delay "
-        "encodes). Never set it in production.",
-    )
     load_report_interval_ms: float = Field(
         50.0,
         ge=0,
@@ -151,6 +197,16 @@ class AppArgs(BaseModel):
         resolve_backend(value, "cpu")  # raises the library's unsupported-backend error
         return value
 
+    @field_validator("ingress_actor_options")
+    @classmethod
+    def _ingress_without_gpu(cls, value: ActorOptions) -> ActorOptions:
+        if value.num_gpus:
+            raise ValueError(
+                f"ingress_actor_options.num_gpus must be 0 (got {value.num_gpus}): the ingress "
+                "never touches a GPU; give GPUs to rank_actor_options."
+            )
+        return value
+
     @model_validator(mode="after")
     def _cuda_needs_gpus(self) -> AppArgs:
         if self.device == "cuda" and self.rank_actor_options.num_gpus <= 0:
@@ -159,6 +215,11 @@ class AppArgs(BaseModel):
                 f"{self.rank_actor_options.num_gpus}); set num_gpus: 1 or use device 'cpu'."
             )
         return self
+
+    def rank_resources(self) -> dict[str, float]:
+        """Ray resources of each rank: ``ray_actor_options`` in Ray's resource names."""
+        actor = self.rank_actor_options
+        return {"CPU": actor.num_cpus, "GPU": actor.num_gpus, **actor.resources}
 
     @property
     def rank_device(self) -> str:

@@ -62,8 +62,9 @@ class _Queued:
 
 @dataclass
 class BatchCounters:
-    requests: int = 0
-    items: int = 0
+    calls: int = 0  # encode calls this rank took
+    items: int = 0  # images in them
+    patches: int = 0  # sum of t*h*w over those images
     cache_hits: int = 0
     joined_in_flight: int = 0  # same image already queued or running for another call
     preprocessed: int = 0  # images decoded and preprocessed (misses only)
@@ -135,9 +136,10 @@ class RankBatcher:
         """Features of ``items`` in order (float32 contiguous arrays, or an item's exception),
         and this call's stage milliseconds: queue_wait, preprocess, forward (of its batches)."""
         self._start()
-        self.counters.requests += 1
-        call = self.counters.requests
+        self.counters.calls += 1
+        call = self.counters.calls
         self.counters.items += len(items)
+        self.counters.patches += sum(item.num_patches for item in items)
         futures: list[asyncio.Future] = []
         mine: list[_Queued] = []
         loop = asyncio.get_running_loop()
@@ -247,7 +249,7 @@ class RankBatcher:
                 return
 
     def _take(self) -> list[_Queued]:
-        batch, patches = [self._queue.popleft()], 0
+        batch = [self._queue.popleft()]
         patches = batch[0].item.num_patches
         while self._queue and patches + self._queue[0].item.num_patches <= (
             self.config.max_batch_patches

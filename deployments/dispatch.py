@@ -102,7 +102,7 @@ class Dispatcher:
     async def _poll_ranks(self, ranks: Sequence[Any], stale: list[int]) -> None:
         async def one(rank: int) -> None:
             try:
-                report = await asyncio.wait_for(ranks[rank].load.remote(), REPORT_TIMEOUT_S)
+                report = await asyncio.wait_for(ranks[rank].load(), REPORT_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - a sick rank: no report; the encode call will say
                 self._reports[rank] = None
                 self._reported_at[rank] = time.monotonic()

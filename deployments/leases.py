@@ -28,24 +28,24 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
+from kimi_encoder.config import VisionConfig
 from kimi_encoder.items import EncoderItem
 
 FLOAT32 = 4
 
 
-def items_bytes(items: Sequence[EncoderItem], text_hidden_size: int, merge: int = 2) -> int:
+def items_bytes(items: Sequence[EncoderItem], vision: VisionConfig) -> int:
     """Sum of ``item_bytes``: a call takes one lease for all its images."""
-    return sum(item_bytes(item, text_hidden_size, merge) for item in items)
+    return sum(item_bytes(item, vision) for item in items)
 
 
-def item_bytes(item: EncoderItem, text_hidden_size: int, merge: int = 2) -> int:
+def item_bytes(item: EncoderItem, vision: VisionConfig) -> int:
     """Bytes a rank holds for ``item``: its input, its float32 pixels and its features."""
-    patch_values = 3 * 14 * 14  # (3, p, p) per patch; the patch size of every Kimi tower
     given = len(item.image) if item.image is not None else 0
     if item.pixel_values is not None:
         given += item.pixel_values.numel() * item.pixel_values.element_size()
-    pixels = item.num_patches * patch_values * FLOAT32
-    features = item.num_tokens(merge) * text_hidden_size * FLOAT32
+    pixels = item.num_patches * 3 * vision.patch_size**2 * FLOAT32  # (3, p, p) per patch
+    features = vision.num_tokens(item.grid) * vision.text_hidden_size * FLOAT32
     return given + pixels + features
 
 

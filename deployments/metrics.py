@@ -15,16 +15,19 @@ and what it encoded. README.md ("Metrics") lists the names and tags.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import logging
 import time
-import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.serve import metrics
+
+from kimi_encoder.items import EncoderItem
+
+from .errors import OUTCOMES, classify
+from .fanout import Gathered
 
 log = logging.getLogger("ray.serve")
 
@@ -34,31 +37,6 @@ PREFIX = "kimi_encoder_"
 # the rest on the ingress.
 STAGES = ("admission", "queue_wait", "preprocess", "forward", "transfer", "gather", "end_to_end")
 RANK_STAGES = ("queue_wait", "preprocess", "forward", "transfer")
-# The `type` of every error docs/api.md lists, plus `cancelled` (client gone, timeout).
-OUTCOMES = (
-    "ok",
-    "invalid_request",
-    "unauthorized",
-    "limit_exceeded",
-    "unsupported_media_type",
-    "validation_error",
-    "internal_error",
-    "unavailable",
-    "timeout",
-    "cancelled",
-)
-# The error type of each status the ingress returns (one type per status, docs/api.md).
-STATUS_OUTCOMES = {
-    200: "ok",
-    400: "invalid_request",
-    401: "unauthorized",
-    413: "limit_exceeded",
-    415: "unsupported_media_type",
-    422: "validation_error",
-    500: "internal_error",
-    503: "unavailable",
-    504: "timeout",
-}
 INGRESS_RANK = "ingress"  # `rank` tag of the stages that belong to the whole request
 BACKEND_TAGS = ("cpu", "gpu", "none")  # `none`: the request failed before it had one
 # Milliseconds: sub-ms header parsing up to minute-long batches of big images.
@@ -108,96 +86,60 @@ def exported_names() -> set[str]:
     }
 
 
-_current: contextvars.ContextVar[RequestTrace | None] = contextvars.ContextVar(
-    "kimi_encoder_trace", default=None
-)
-
-
 @dataclass
 class RequestTrace:
     """What one encode request did, filled in as it goes; logged once at the end."""
 
     request_id: str
     started: float = field(default_factory=time.perf_counter)
-    status: int = 500  # the HTTP status answered; the ingress sets it
+    status: int = 500  # the HTTP status answered
+    outcome: str = "internal_error"  # "ok" or the error type (deployments/errors.py)
     backend: str = "none"
     images: int = 0
     patches: int = 0
     owners: list[int] = field(default_factory=list)
-    results_at: float | None = None  # perf_counter when every rank's result was in
+    admitted_at: float | None = None  # perf_counter when admission finished
+    gathered_at: float | None = None  # perf_counter when every rank's result was in
+    rank_encode_ms: dict[int, float] = field(default_factory=dict)  # rank -> its encode call
     stages_ms: dict[str, float] = field(default_factory=dict)  # request-level stages
     ranks_ms: dict[int, dict[str, float]] = field(default_factory=dict)  # rank -> stage -> ms
 
-    def mark(self, stage: str, since: float) -> float:
-        """Record ``stage`` as lasting from ``since`` (perf_counter) until now; its ms."""
-        self.stages_ms[stage] = (time.perf_counter() - since) * 1e3
-        return self.stages_ms[stage]
-
-    def admitted(self, items: list[Any], admitted_at: float) -> None:
-        """Note what admission let through and when it finished (perf_counter)."""
-        self.stages_ms["admission"] = (admitted_at - self.started) * 1e3
+    def admitted(self, items: Sequence[EncoderItem]) -> None:
+        """Note what admission let through, and that it finished now."""
+        self.admitted_at = time.perf_counter()
+        self.stages_ms["admission"] = (self.admitted_at - self.started) * 1e3
         self.images = len(items)
         self.patches = sum(item.num_patches for item in items)
         deferred = [item.deferred for item in items if item.deferred is not None]
         self.backend = deferred[0].backend if deferred else "none"
 
-    def ranks_done(self, ranks: list[int], results: list[dict], calls: list[Stamped]) -> None:
-        """Each rank's own stage times plus its transfer back to the ingress."""
-        for rank, result, call in zip(ranks, results, calls, strict=True):
-            stages = dict(result.get("stages_ms", {}))
-            if call.arrived_at is not None and "done_at" in result:
-                stages["transfer"] = max(0.0, call.arrived_at - result["done_at"]) * 1e3
-            self.ranks_ms[rank] = stages
+    def gathered(self, gathered: Gathered) -> None:
+        """Owners, and each rank's own stage times plus its transfer back to the ingress."""
+        self.gathered_at = time.perf_counter()
+        self.owners = list(gathered.owners)
+        for rank, answer in gathered.answers.items():
+            self.rank_encode_ms[rank] = answer.result["encode_ms"]
+            self.ranks_ms[rank] = {**answer.result["stages_ms"], "transfer": answer.transfer_ms}
 
-    def rank_timings(self) -> dict[str, float]:
-        """``rank_R_<stage>`` keys for the response's ``timings_ms``."""
-        return {
-            f"rank_{rank}_{stage}": ms
-            for rank, stages in sorted(self.ranks_ms.items())
-            for stage, ms in stages.items()
+    def timings(self) -> dict[str, float]:
+        """The response's ``timings_ms``: admit, encode, rank_R, rank_R_<stage>, gather, total;
+        marks the end of ``gather`` (the response body is written by then)."""
+        assert self.admitted_at is not None and self.gathered_at is not None, self
+        now = time.perf_counter()
+        self.stages_ms["gather"] = (now - self.gathered_at) * 1e3
+        out = {
+            "admit": self.stages_ms["admission"],
+            "encode": (self.gathered_at - self.admitted_at) * 1e3,
+            **{f"rank_{rank}": ms for rank, ms in sorted(self.rank_encode_ms.items())},
+            **{
+                f"rank_{rank}_{stage}": ms
+                for rank, stages in sorted(self.ranks_ms.items())
+                for stage, ms in stages.items()
+            },
+            "gather": self.stages_ms["gather"],
+            "total": (now - self.started) * 1e3,
         }
-
-
-def current_trace() -> RequestTrace | None:
-    """The trace of the request this task is serving (set by ``IngressMetrics.trace``)."""
-    return _current.get()
-
-
-def request_id_of(headers: Mapping[str, str]) -> str:
-    """The incoming ``X-Request-ID`` (Serve's proxy sets one when the client did not)."""
-    return headers.get("x-request-id") or uuid.uuid4().hex
-
-
-class Stamped:
-    """A Serve ``DeploymentResponse`` that notes the ``time.time()`` its result arrived.
-
-    Awaitable and cancellable like the response it wraps; ``arrived_at`` minus the
-    rank's ``done_at`` is that rank's transfer-back time.
-    """
-
-    def __init__(self, response: Any):
-        self.response = response
-        self.arrived_at: float | None = None
-
-    def __await__(self) -> Any:
-        result = yield from self.response.__await__()
-        self.arrived_at = time.time()
-        return result
-
-    def cancel(self) -> None:
-        self.response.cancel()
-
-
-def dispatch_loads(groups: Mapping[int, list[int]], items: list[Any]) -> dict[int, tuple]:
-    """``{rank: (images, patches, bytes)}`` of a fan-out (``groups``: rank -> item indices)."""
-
-    def size(item: Any) -> int:
-        return len(item.image) if item.image is not None else item.pixel_values.nbytes
-
-    return {
-        rank: (len(idx), sum(items[i].num_patches for i in idx), sum(size(items[i]) for i in idx))
-        for rank, idx in groups.items()
-    }
+        return {k: round(v, 3) for k, v in out.items()}
 
 
 def _make(name: str) -> Any:
@@ -212,6 +154,10 @@ def _make(name: str) -> Any:
                 full, description=description, boundaries=MS_BOUNDARIES, tag_keys=tag_keys
             )
     raise KeyError(name)
+
+
+def _input_bytes(item: EncoderItem) -> int:
+    return len(item.image) if item.image is not None else item.pixel_values.nbytes
 
 
 def _backend_tag(backend: str | None) -> str:
@@ -236,22 +182,26 @@ class IngressMetrics:
     def trace(self, request_id: str) -> Iterator[RequestTrace]:
         """Trace one request; count its outcome, observe its stages and log its summary.
 
-        The caller sets ``trace.status``; an exception escaping the block counts as
-        ``internal_error``, a cancellation (client gone, timeout) as ``cancelled``.
+        A block that ends normally answered 200; an exception escaping it is classified
+        by the error table (deployments/errors.py), a cancellation (client gone,
+        timeout) counts as ``cancelled``.
         """
         trace = RequestTrace(request_id)
-        token = _current.set(trace)
         try:
             yield trace
+            trace.status, trace.outcome = 200, "ok"
+        except asyncio.CancelledError:
+            trace.status, trace.outcome = 499, "cancelled"
+            raise
         except BaseException as exc:
-            trace.status = 499 if isinstance(exc, asyncio.CancelledError) else 500
+            trace.status, trace.outcome = classify(exc)
             raise
         finally:
-            _current.reset(token)
-            self.finish(trace, trace.status)
+            self.finish(trace)
 
-    def finish(self, trace: RequestTrace, status: int) -> None:
-        outcome = "cancelled" if status == 499 else STATUS_OUTCOMES.get(status, "internal_error")
+    def finish(self, trace: RequestTrace) -> None:
+        outcome, status = trace.outcome, trace.status
+        assert outcome in OUTCOMES, outcome
         backend = _backend_tag(trace.backend)
         trace.stages_ms["end_to_end"] = (time.perf_counter() - trace.started) * 1e3
         self.requests.inc(1, tags={"outcome": outcome})
@@ -290,8 +240,12 @@ class IngressMetrics:
         self.stage_ms.observe(ms, tags={"stage": stage, "rank": rank, "backend": backend})
 
     @contextmanager
-    def dispatched(self, loads: Mapping[int, tuple[int, int, int]]) -> Iterator[None]:
-        """Count ``{rank: (images, patches, bytes)}`` as in flight while the block runs."""
+    def dispatched(self, groups: Mapping[int, Sequence[EncoderItem]]) -> Iterator[None]:
+        """Count ``{rank: items}`` as in flight while the block runs."""
+        loads = {
+            rank: (len(items), sum(i.num_patches for i in items), sum(map(_input_bytes, items)))
+            for rank, items in groups.items()
+        }
         for rank, (images, patches, size) in loads.items():
             self._add(rank, 1, images, patches, size)
         try:

@@ -1,13 +1,13 @@
-"""``EncoderRank``: one vision-data-parallel rank holding one ``VisionEncoder``."""
+"""``EncoderRank``: one vision-data-parallel rank holding one encoder."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import logging
+import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import ray
@@ -17,11 +17,20 @@ from PIL import Image
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.items import EncoderItem
 
-from .batcher import BatchingConfig, RankBatcher, raise_first_error
+from .args import AppArgs
+from .batcher import RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import RankMetrics
 
 log = logging.getLogger("ray.serve")
+
+# Builds the rank's encoder; called like ``VisionEncoder.from_pretrained`` (checkpoint,
+# device, dtype, backend, seed). Tests pass their own to slow down or break a rank.
+EncoderFactory = Callable[..., VisionEncoder]
+
+# Relative bound of the health check's probe against its start-up features, by dtype:
+# kernels may pick other algorithms between runs (a few roundings of the dtype's step).
+PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4 * 2.0**-8, torch.float16: 4 * 2.0**-11}
 
 
 class EncoderRank:
@@ -39,37 +48,29 @@ class EncoderRank:
     def __init__(
         self,
         rank: int,
-        checkpoint: str,
-        *,
-        device: str,
-        dtype: str,
-        backend: str,
-        seed: int,
-        num_cpus: float,
-        batching: BatchingConfig | None = None,
-        max_inflight_bytes: int = 1 << 30,
-        fault_injection: bool = False,
+        args: AppArgs,
+        encoder_factory: EncoderFactory = VisionEncoder.from_pretrained,
     ):
         self.rank = rank
-        self.num_threads = max(1, int(num_cpus))
-        torch.set_num_threads(self.num_threads)
+        check_resources(rank, args.rank_resources(), ray.get_runtime_context())
+        num_threads = max(1, int(args.rank_actor_options.num_cpus))
+        torch.set_num_threads(num_threads)
         started = time.perf_counter()
-        self.encoder = VisionEncoder.from_pretrained(
-            checkpoint, device=device, dtype=dtype, backend=backend, seed=seed
+        self.encoder = encoder_factory(
+            args.checkpoint,
+            device=args.rank_device,
+            dtype=args.dtype,
+            backend=args.default_backend,
+            seed=args.seed,
         )
-        self.batcher = RankBatcher(self.encoder, batching or BatchingConfig(), self.num_threads)
-        vision = self.encoder.vision
-        self.text_hidden, self.merge = vision.text_hidden_size, vision.merge_kernel_size[0]
-        self.leases = MemoryLeases(max_inflight_bytes)
-        self.fault_injection = fault_injection
-        self.faults: dict[str, float | str] = {}
+        self.batcher = RankBatcher(self.encoder, args.batching_config(), num_threads)
+        self.vision = self.encoder.vision
+        self.leases = MemoryLeases(args.max_inflight_bytes)
         self.probe_item = self.encoder.plan(_probe_image())
         self.probe_features = self.batcher.run_in_worker_sync(self._probe)
+        self.probe_tolerance = PROBE_TOLERANCE[self.encoder.dtype]
         self.health_checks = 0
         self.load_s = time.perf_counter() - started
-        self.calls = 0
-        self.items = 0
-        self.patches = 0
         self.metrics = RankMetrics(rank)
         self.metrics.leased(0)
         log.info(
@@ -94,19 +95,14 @@ class EncoderRank:
         ``caller`` names the ingress replica in this rank's load report.
         """
         assert len(indices) == len(items), (len(indices), len(items))
-        self.calls += 1
-        self.items += len(items)
-        self.patches += sum(item.num_patches for item in items)
         started = time.perf_counter()
         stages: dict[str, float] = {}
         if sent_at is not None:  # wall clocks of two processes: clamp a skew to 0
             stages["queue_wait"] = max(0.0, time.time() - sent_at) * 1e3
         # Released on success, error, timeout and cancellation (the end of `async with`).
         try:
-            async with self.leases.hold(items_bytes(items, self.text_hidden, self.merge)):
+            async with self.leases.hold(items_bytes(items, self.vision)):
                 self.metrics.leased(self.leases.held)
-                if delay := float(self.faults.get("encode_delay_s", 0)):
-                    await asyncio.sleep(delay)  # tests only (inject_fault)
                 results, batch_stages = await self.batcher.encode(items, caller)
         finally:
             self.metrics.leased(self.leases.held)
@@ -147,23 +143,19 @@ class EncoderRank:
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "load_s": round(self.load_s, 3),
-            "calls": self.calls,
-            "items": self.items,
-            "patches": self.patches,
             "health_checks": self.health_checks,
             "leases": self.leases.info(),
-            **self.batcher.info(),  # num_threads: as the encode thread sees it
+            **self.batcher.info(),  # calls, items, patches, num_threads (the encode thread's)
         }
 
     async def check_health(self) -> None:
         """A real tiny encode: the start-up probe image again, through preprocess and tower.
 
         Runs on the encode worker (after the batch in progress); fails if the features
-        are not finite or differ from the start-up ones, so Serve replaces the rank.
+        are not finite or differ from the start-up ones by more than the dtype's
+        tolerance (relative to their largest value), so Serve replaces the rank.
         """
         self.health_checks += 1
-        if reason := self.faults.get("health"):
-            raise RuntimeError(f"rank {self.rank} health check failed: injected fault {reason!r}")
         features = await self.batcher.run_in_worker(self._probe)
         want = self.probe_features
         if features.shape != want.shape:
@@ -172,10 +164,11 @@ class EncoderRank:
                 f"start-up gave {want.shape}"
             )
         error = float(np.nan_to_num(np.abs(features - want), nan=np.inf).max())
-        if error > 1e-3:
+        bound = self.probe_tolerance * float(np.abs(want).max())
+        if not error <= bound:
             raise RuntimeError(
                 f"rank {self.rank} health check failed: probe features differ from "
-                f"start-up's by {error:.3g} (> 1e-3)"
+                f"start-up's by {error:.3g} (> {bound:.3g})"
             )
 
     def _probe(self) -> np.ndarray:
@@ -185,20 +178,25 @@ class EncoderRank:
             (features,) = self.encoder.forward(pixels, [self.probe_item])
         return features.detach().to("cpu").float().numpy()
 
-    def inject_fault(self, kind: str, value: float | str | None) -> dict:
-        """Tests only (``AppArgs.fault_injection``): ``health`` (a reason: health checks
-        fail) or ``encode_delay_s`` (seconds each encode call waits); None clears it."""
-        if not self.fault_injection:
-            raise PermissionError(
-                "inject_fault is disabled; it exists for tests (AppArgs.fault_injection=True)."
-            )
-        if kind not in ("health", "encode_delay_s"):
-            raise ValueError(f"unknown fault {kind!r}; known: 'health', 'encode_delay_s'.")
-        if value is None:
-            self.faults.pop(kind, None)
-        else:
-            self.faults[kind] = value
-        return {"pid": os.getpid(), "faults": dict(self.faults)}
+
+def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
+    """Refuse to start when Ray gave this rank other resources than ``rank_actor_options``.
+
+    ``build_app`` derives every rank's ``ray_actor_options`` from ``rank_actor_options``
+    (and the device, thread count and memory budget from them); a config's
+    ``deployments:`` entry that overrides them for one rank would silently disagree.
+    """
+    got = context.get_assigned_resources()
+    keys = set(wanted) | {k for k in got if "_group_" not in k}  # not placement-group names
+    if all(math.isclose(wanted.get(k, 0.0), got.get(k, 0.0)) for k in keys):
+        return
+    raise ValueError(
+        f"rank {rank} was started with Ray resources {dict(sorted(got.items()))}, but "
+        f"rank_actor_options asks for {dict(sorted(wanted.items()))}: a config's "
+        f"`deployments:` entry for EncoderRank_{rank} overrides its ray_actor_options. Set the "
+        "resources once in the application's args (rank_actor_options) and remove the "
+        "override."
+    )
 
 
 def _probe_image() -> bytes:

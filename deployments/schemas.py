@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 ResponseFormat = Literal["json", "safetensors"]
@@ -212,3 +214,87 @@ class InfoResponse(BaseModel):
         "per rank, redispatched_images, cooldown_s.",
     )
     ranks: list[RankInfo] = Field(description="Each rank's own report (calls, items, device...).")
+
+
+# --- OpenAPI of POST /v1/encode -------------------------------------------------------
+# The route reads its body by hand (JSON or multipart, size-limited while it streams), so
+# FastAPI cannot derive the request schema from a parameter: the route declares both
+# bodies here, and ``document_request_models`` adds the models they refer to. (FastAPI
+# routes by path and method, not by content type, so two routes cannot share the path.)
+
+_ERROR_STATUSES = {
+    400: "Invalid item, backend or data.",
+    401: "Missing or wrong API key.",
+    413: "Over a configured request limit.",
+    415: "Body is neither JSON nor multipart.",
+    422: "Malformed body.",
+    500: "Encoder failure.",
+    503: "A rank is unavailable or busy: retry after Retry-After seconds.",
+    504: "Over request_timeout_s.",
+}
+_MULTIPART_SCHEMA = {
+    "type": "object",
+    "required": ["image"],
+    "properties": {
+        "image": {
+            "type": "array",
+            "items": {"type": "string", "format": "binary"},
+            "description": "One or more image files (repeat the field).",
+        },
+        "response_format": {"type": "string", "enum": ["json", "safetensors"], "default": "json"},
+        "backend": {"type": "string", "enum": ["gpu", "cpu"]},
+    },
+}
+_SAFETENSORS_DOC = (
+    "safetensors file: features.{i} float32, grid_thw.{i} int64 [1, 3]; "
+    "metadata 'owner_ranks' (JSON list) and 'model'."
+)
+# Keyword arguments of the route decorator.
+ENCODE_OPENAPI: dict[str, Any] = {
+    "response_model": EncodeResponse,
+    "responses": {
+        200: {
+            "content": {
+                "application/octet-stream": {
+                    "schema": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": _SAFETENSORS_DOC,
+                    }
+                }
+            }
+        },
+        **{s: {"model": ErrorResponse, "description": d} for s, d in _ERROR_STATUSES.items()},
+    },
+    "openapi_extra": {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/EncodeRequest"}},
+                "multipart/form-data": {"schema": _MULTIPART_SCHEMA},
+            },
+        }
+    },
+}
+
+
+def document_request_models(app: FastAPI) -> None:
+    """Make ``app.openapi()`` include ``EncodeRequest`` and its parts in the components.
+
+    A closure over ``app`` (not a module global), so the copy that ``serve.ingress``
+    freezes documents its own routes.
+    """
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            request = EncodeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(request.pop("$defs", {}))
+            components["EncodeRequest"] = request
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

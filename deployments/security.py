@@ -4,7 +4,7 @@ The key comes from the environment variable ``KIMI_ENCODER_API_KEY`` or from
 the file named by ``AppArgs.api_key_file`` (one of them, read in the ingress
 process), never from the config itself, so it is not in Serve's stored config,
 the dashboard or a log. Only a SHA-256 digest is kept; requests are compared
-in constant time. ``/healthz`` stays open.
+in constant time. ``/healthz`` and the page at ``/`` stay open.
 """
 
 from __future__ import annotations
@@ -16,9 +16,15 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
 
 ENV_VAR = "KIMI_ENCODER_API_KEY"
+
+
+class UnauthorizedError(Exception):
+    """Missing or wrong API key (HTTP 401)."""
+
+    def __init__(self):
+        super().__init__("missing or wrong API key; send the header 'Authorization: Bearer <key>'.")
 
 
 def _digest(key: str) -> bytes:
@@ -72,18 +78,7 @@ class ApiKey:
         given = _digest(token.strip()) if scheme.lower() == "bearer" else b""
         return hmac.compare_digest(given, self._digest)
 
-    def deny(self, request: Request) -> JSONResponse | None:
-        """None when the request may proceed, else the 401 JSON error to answer with."""
-        if self.allows(request.headers.get("authorization")):
-            return None
-        return JSONResponse(
-            {
-                "error": {
-                    "type": "unauthorized",
-                    "message": "missing or wrong API key; send the header "
-                    "'Authorization: Bearer <key>'.",
-                }
-            },
-            status_code=401,
-            headers={"WWW-Authenticate": "Bearer"},
-        )
+    def check(self, request: Request) -> None:
+        """Raise ``UnauthorizedError`` unless the request carries the key."""
+        if not self.allows(request.headers.get("authorization")):
+            raise UnauthorizedError()

@@ -23,11 +23,17 @@ import binascii
 import json
 import secrets
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
+
+from kimi_encoder.items import EncoderItem
+
+from .admission import Admitted
+from .fanout import Gathered
+from .schemas import ItemFeatures, Usage
 
 _DTYPES = {np.dtype("<f4"): "F32", np.dtype("<i8"): "I64", np.dtype("<f2"): "F16"}
 
@@ -92,3 +98,53 @@ def safetensors_body(
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
     return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
+
+
+def safetensors_response(
+    model: str,
+    grids: Sequence[tuple[int, int, int]],
+    features: Sequence[np.ndarray],
+    owners: Sequence[int],
+    headers: Mapping[str, str],
+) -> Response:
+    """``features.{i}`` float32 and ``grid_thw.{i}`` int64 ``[1, 3]`` per item, in order."""
+    tensors: dict[str, np.ndarray] = {}
+    for i, (grid, array) in enumerate(zip(grids, features, strict=True)):
+        tensors[f"features.{i}"] = array
+        tensors[f"grid_thw.{i}"] = np.asarray([grid], dtype=np.int64)
+    meta = {"model": model, "owner_ranks": json.dumps(list(owners))}
+    body = safetensors_body(tensors, metadata=meta)
+    return Response(body, media_type="application/octet-stream", headers=dict(headers))
+
+
+def json_response(
+    model: str, admitted: Admitted, gathered: Gathered, timings: Callable[[], dict[str, float]]
+) -> FeaturesJSONResponse:
+    """The JSON answer (``schemas.EncodeResponse``); ``timings()`` is called last, so its
+    ``gather`` and ``total`` include writing the envelope."""
+    items = []
+    for i, (item, array, owner) in enumerate(
+        zip(admitted.items, gathered.features, gathered.owners, strict=True)
+    ):
+        entry = ItemFeatures(
+            index=i,
+            grid_thw=list(item.grid),
+            num_tokens=array.shape[0],
+            owner_rank=owner,
+            original_size=list(item.original_size) if item.original_size else None,
+            resized_size=_resized_size(item),
+            shape=list(array.shape),
+            data="",
+        ).model_dump()
+        items.append(entry | {"data": array})  # base64 written straight into the body
+    tokens = sum(a.shape[0] for a in gathered.features)
+    usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
+    payload = {"model": model, "items": items, "usage": usage.model_dump()}
+    return FeaturesJSONResponse(payload | {"timings_ms": timings()})
+
+
+def _resized_size(item: EncoderItem) -> list[int] | None:
+    if item.deferred is None:
+        return None
+    resize = item.deferred.resize_config
+    return [resize.new_width, resize.new_height]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,6 +123,16 @@ class VisionConfig:
     @property
     def merge_area(self) -> int:
         return self.merge_kernel_size[0] * self.merge_kernel_size[1]
+
+    def num_tokens(self, grid: tuple[int, int, int]) -> int:
+        """LLM tokens (feature rows) of an image of ``grid`` (t, h, w): one per merge block.
+
+        >>> VisionConfig().num_tokens((1, 78, 138))
+        2691
+        """
+        _, h, w = grid
+        kh, kw = self.merge_kernel_size
+        return (h // kh) * (w // kw)
 
     @classmethod
     def k25(cls, **dims: Any) -> VisionConfig:
@@ -329,7 +339,7 @@ PRESETS: dict[str, Preset] = {
                 text_hidden_size=1024,
             ),
             PreprocessConfig(in_patch_limit=4096, patch_limit_on_one_side=128),
-            "K3-shaped mid-size model (~12M parameters): CPU benchmarks",
+            "K3-shaped mid-size model (17.5M parameters): CPU benchmarks",
         ),
         Preset("k3", VisionConfig(), PreprocessConfig(), "Kimi-K3 vision tower, full size"),
         Preset(
@@ -393,6 +403,3 @@ def resolve_configs(checkpoint: str | Path) -> tuple[VisionConfig, PreprocessCon
         f"{', '.join(PRESETS)}."
     )
 
-
-def with_overrides(cfg: PreprocessConfig, **changes: Any) -> PreprocessConfig:
-    return replace(cfg, **changes)

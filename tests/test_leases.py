@@ -90,9 +90,9 @@ def test_item_bytes_counts_input_pixels_and_features():
     encoder = VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float32", backend="cpu")
     item = encoder.plan(out.getvalue())
     _, h, w = item.grid
-    hidden = encoder.info()["text_hidden_size"]
+    hidden = encoder.vision.text_hidden_size
     expected = len(out.getvalue()) + h * w * 3 * 14 * 14 * 4 + (h // 2) * (w // 2) * hidden * 4
-    assert item_bytes(item, hidden) == expected
+    assert item_bytes(item, encoder.vision) == expected
 
 
 def test_budget_must_be_positive():

@@ -1,4 +1,4 @@
-"""Limits and security without Ray: bomb headers, body cap, data URLs, NaN, API key, timeout."""
+"""Limits and security without Ray: bomb headers, body cap, data URLs, NaN, API key."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from PIL import Image
 
 from deployments.admission import Admission, read_body
 from deployments.args import AppArgs
-from deployments.deadline import RequestTimeoutError, settle_within
 from deployments.schemas import EncodeRequest
 from deployments.security import ENV_VAR, ApiKey
 from kimi_encoder import preprocess
@@ -130,27 +129,3 @@ def test_api_key_from_env_or_file(tmp_path):
         ApiKey.load(None, {ENV_VAR: " "})
     with pytest.raises(ValueError, match="cannot read api_key_file"):
         ApiKey.load(str(tmp_path / "missing"), {})
-
-
-def test_settle_within_keeps_each_outcome_and_cancels_every_call_on_timeout():
-    """Any awaitable with cancel() works; asyncio tasks stand in for DeploymentResponses here."""
-
-    async def fail():
-        raise ConnectionError("rank died")
-
-    async def run(delays, timeout_s):
-        calls = [
-            asyncio.ensure_future(fail() if d is None else asyncio.sleep(d, d)) for d in delays
-        ]
-        try:
-            return await settle_within(calls, timeout_s)
-        finally:
-            await asyncio.sleep(0)  # let the cancellations land
-            run.cancelled = [c.cancelled() for c in calls]
-
-    assert asyncio.run(run([0, 0.01], 5)) == [0, 0.01]
-    first, second = asyncio.run(run([None, 0.01], 5))  # one failure leaves the other running
-    assert isinstance(first, ConnectionError) and second == 0.01
-    with pytest.raises(RequestTimeoutError, match="request_timeout_s=0.05 s"):
-        asyncio.run(run([0, 10], 0.05))
-    assert run.cancelled == [False, True]

@@ -12,10 +12,9 @@ from collections.abc import Callable, Iterator
 import pytest
 import ray
 from ray import serve
-from serve_helpers import FAST_SHUTDOWN, IMAGE_SPECS, LIMITS, free_port, make_image
+from serve_helpers import IMAGE_SPECS, app_args, free_port, make_image
 
 from deployments.app import bind_app
-from deployments.args import AppArgs
 from kimi_encoder.encoder import VisionEncoder
 
 
@@ -62,9 +61,8 @@ def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
         if name not in apps:
-            fields = {**LIMITS, **REFERENCE_PATH, **overrides}
-            args = AppArgs(dp_size=dp_size, device="cpu", preprocess_backend="cpu", **fields)
-            serve.run(bind_app(args, FAST_SHUTDOWN), name=name, route_prefix=f"/{name}")
+            args = app_args(dp_size=dp_size, **{**REFERENCE_PATH, **overrides})
+            serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
             apps[name] = f"{serve_url}/{name}"
         return apps[name]
 

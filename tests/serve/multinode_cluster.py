@@ -9,7 +9,8 @@ Layout: a head node with the proxy, the Serve controller and the ingress
 (custom resource ``head``), two worker nodes with one ``encoder_slot`` each,
 and ranks asking for one ``encoder_slot`` (``rank_actor_options.resources``),
 so each node holds one rank. After a first request, the node holding rank 1 is
-removed while a request's share waits there (an injected delay); rank 1 has
+removed while a request's share waits there (its forward held by the test's
+switchboard, ``controlled.py``); rank 1 has
 no slot to come back to, and that request and later ones must be answered by
 rank 0 alone.
 """
@@ -30,10 +31,10 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_helpers import FAST_SHUTDOWN, LIMITS, b64, decode_features, make_image  # noqa: E402
+from controlled import Switchboard, controlled_factory  # noqa: E402
+from serve_helpers import app_args, b64, decode_features, make_image  # noqa: E402
 
 from deployments.app import bind_app  # noqa: E402
-from deployments.args import AppArgs  # noqa: E402
 from kimi_encoder.encoder import VisionEncoder  # noqa: E402
 
 APP = "multinode"
@@ -73,20 +74,17 @@ def main() -> None:
     out: dict = {"head": cluster.head_node.node_id, "workers": [w.node_id for w in workers]}
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
-        args = AppArgs(
+        args = app_args(
             dp_size=2,
-            device="cpu",
-            preprocess_backend="cpu",
             rank_actor_options={"num_cpus": 0, "resources": {"encoder_slot": 1}},
+            ingress_actor_options={"resources": {"head": 0.01}},
             rank_cooldown_s=1.0,
-            fault_injection=True,
             feature_cache_bytes=0,
             cost_model="patches",
             calibration_grids=[],
-            **LIMITS,
         )
-        on_head = {"ray_actor_options": {"num_cpus": 0, "resources": {"head": 0.01}}}
-        serve.run(bind_app(args, FAST_SHUTDOWN, on_head), name=APP, route_prefix=f"/{APP}")
+        board = Switchboard.options(resources={"head": 0.01}).remote()
+        serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
         url = f"http://127.0.0.1:{port}/{APP}"
         ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
         out["rank_nodes"] = [r["node_id"] for r in ranks]
@@ -94,11 +92,10 @@ def main() -> None:
         out["before"] = check(post(url, data), data, reference)
 
         victim = workers[out["workers"].index(out["rank_nodes"][1])]
-        rank1 = serve.get_deployment_handle("EncoderRank_1", app_name=APP)
-        rank1.inject_fault.remote("encode_delay_s", 3.0).result(timeout_s=30)
+        ray.get(board.set.remote(1, "hold"))
         with cf.ThreadPoolExecutor(1) as pool:  # a request in flight while the node goes
             during = pool.submit(post, url, data)
-            time.sleep(1.0)  # its share is held on rank 1 (the injected delay)
+            ray.get(board.wait_held.remote(1), timeout=30)  # its share is held on rank 1
             removed_at = time.monotonic()
             cluster.remove_node(victim)
             out["during"] = check(during.result(timeout=90), data, reference)

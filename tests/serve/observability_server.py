@@ -17,10 +17,9 @@ import ray
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_helpers import FAST_SHUTDOWN, LIMITS  # noqa: E402
+from serve_helpers import app_args  # noqa: E402
 
 from deployments.app import bind_app  # noqa: E402
-from deployments.args import AppArgs  # noqa: E402
 
 
 def main() -> None:
@@ -33,9 +32,9 @@ def main() -> None:
         _metrics_export_port=metrics_port,
     )
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    args = AppArgs(dp_size=2, device="cpu", preprocess_backend="cpu", **LIMITS)
+    args = app_args(dp_size=2)
     serve.run(
-        bind_app(args, FAST_SHUTDOWN),
+        bind_app(args),
         name="obs",
         route_prefix="/obs",
         logging_config={"encoding": "JSON", "log_level": "INFO"},

@@ -13,6 +13,8 @@ import requests
 import torch
 from PIL import Image
 
+from deployments.args import AppArgs
+
 # Fast teardown: no request is in flight when an app is deleted.
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 0.5}
 # Limits of every test app: the 9-image request fits, the limit tests go over.
@@ -35,6 +37,23 @@ IMAGE_SPECS = [
     (150, 110, "L", 8),
     (56, 56, "P", 9),
 ]
+
+
+def app_args(
+    *, rank_options: dict | None = None, ingress_options: dict | None = None, **fields
+) -> AppArgs:
+    """AppArgs of a test app: CPU ranks, the test limits, fast teardown, ``fields`` on top;
+    ``rank_options``/``ingress_options`` override single Serve options."""
+    base = AppArgs()
+
+    def serve_options(default, extra):
+        return default.model_copy(update={**FAST_SHUTDOWN, **(extra or {})})
+
+    return AppArgs(
+        **{"device": "cpu", "preprocess_backend": "cpu", **LIMITS, **fields},
+        rank_options=serve_options(base.rank_options, rank_options),
+        ingress_options=serve_options(base.ingress_options, ingress_options),
+    )
 
 
 def free_port() -> int:

@@ -9,12 +9,13 @@ import time
 
 import numpy as np
 import pytest
+import ray
 import requests
+from controlled import Switchboard, controlled_factory
 from ray import serve
-from serve_helpers import FAST_SHUTDOWN, LIMITS, b64, decode_features, make_image, one_thread
+from serve_helpers import app_args, b64, decode_features, make_image, one_thread
 
-from deployments.app import bind_app, rank_name
-from deployments.args import AppArgs
+from deployments.app import bind_app
 
 pytestmark = pytest.mark.serve
 
@@ -34,32 +35,29 @@ def post(url: str, data: list[bytes], timeout: float = 60) -> requests.Response:
 
 def leases(url: str) -> dict:
     (rank,) = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    assert "leases" in rank, rank
     return rank["leases"]
 
 
-def delay(seconds: float | None) -> None:
-    handle = serve.get_deployment_handle(rank_name(0), app_name=APP)
-    handle.inject_fault.remote("encode_delay_s", seconds).result(timeout_s=30)
+@pytest.fixture(scope="module")
+def board(serve_url):
+    return Switchboard.remote()
 
 
 @pytest.fixture(scope="module")
-def bp_url(serve_url):
-    args = AppArgs(
+def bp_url(serve_url, board):
+    args = app_args(
         dp_size=1,
-        device="cpu",
-        preprocess_backend="cpu",
-        fault_injection=True,
         max_inflight_bytes=BUDGET,
         request_timeout_s=4,
         rank_cooldown_s=0.5,
         feature_cache_bytes=0,
         cost_model="patches",
         calibration_grids=[],
-        **LIMITS,
+        rank_options={"max_ongoing_requests": 2, "max_queued_requests": 2},
+        ingress_options={"max_ongoing_requests": 6, "max_queued_requests": 2},
     )
-    small_queues = {**FAST_SHUTDOWN, "max_ongoing_requests": 2, "max_queued_requests": 2}
-    ingress = {"max_ongoing_requests": 6, "max_queued_requests": 2}
-    serve.run(bind_app(args, small_queues, ingress), name=APP, route_prefix=f"/{APP}")
+    serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
     serve.delete(APP)
 
@@ -74,11 +72,17 @@ def wait_idle(url: str, bound_s: float = 15) -> dict:
         time.sleep(0.2)
 
 
-def test_burst_past_the_queues_is_200_or_503_with_retry_after(bp_url, reference):
-    delay(0.5)
+def test_burst_past_the_queues_is_200_or_503_with_retry_after(bp_url, board, reference):
+    ray.get(board.set.remote(0, "hold"))  # the rank's forward waits: its queues fill up
     started = time.monotonic()
     with cf.ThreadPoolExecutor(BURST) as pool:
-        answers = list(pool.map(lambda k: post(bp_url, body(k), timeout=30), range(BURST)))
+        pending = [pool.submit(post, bp_url, body(k), 30) for k in range(BURST)]
+        ray.get(board.wait_held.remote(0), timeout=30)
+        # Past the queues the answers come at once: wait for a first 503, then let go.
+        done = next(f for f in cf.as_completed(pending, timeout=30))
+        assert done.result().status_code == 503, done.result().text
+        ray.get(board.set.remote(0, "run"))
+        answers = [f.result() for f in pending]
     burst_s = time.monotonic() - started
     statuses = [a.status_code for a in answers]
     assert set(statuses) <= {200, 503}, statuses
@@ -93,7 +97,6 @@ def test_burst_past_the_queues_is_200_or_503_with_retry_after(bp_url, reference)
                 for item, expected in zip(answer.json()["items"], want, strict=True):
                     got = decode_features(item)
                     np.testing.assert_allclose(got, expected.numpy(), rtol=0, atol=1e-5)
-    delay(None)
     state = wait_idle(bp_url)
     assert state["peak_inflight_bytes"] <= BUDGET and state["leases_waited"] >= 1, state
     print(
@@ -106,12 +109,12 @@ def test_burst_past_the_queues_is_200_or_503_with_retry_after(bp_url, reference)
         time.sleep(float(answer.headers["Retry-After"]))
 
 
-def test_timeout_is_504_and_releases_the_lease(bp_url):
-    delay(6.0)  # longer than request_timeout_s=4
+def test_timeout_is_504_and_releases_the_lease(bp_url, board):
+    ray.get(board.set.remote(0, "hold"))  # held past request_timeout_s=4
     started = time.monotonic()
     answer = post(bp_url, body(200))
     elapsed = time.monotonic() - started
-    delay(None)
+    ray.get(board.set.remote(0, "run"))
     assert answer.status_code == 504 and answer.json()["error"]["type"] == "timeout", answer.text
-    assert elapsed < 8, elapsed
+    assert elapsed < 8, elapsed  # answered at the deadline, not when the rank finished
     wait_idle(bp_url)

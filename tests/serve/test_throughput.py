@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import requests
 from ray import serve
-from serve_helpers import FAST_SHUTDOWN, LIMITS, b64, decode_features, encode, make_image
+from serve_helpers import app_args, b64, decode_features, encode, make_image
 
 from deployments.app import bind_app
-from deployments.args import AppArgs
 from kimi_encoder.assign import assign_owners
 from kimi_encoder.cost import CostModel
 
@@ -45,8 +44,8 @@ def apps(serve_url):
     """Two apps of this module, removed when it ends (one rank reserves both logical CPUs)."""
     created = []
 
-    def run(name: str, args: AppArgs, **ingress) -> str:
-        serve.run(bind_app(args, FAST_SHUTDOWN, ingress), name=name, route_prefix=f"/{name}")
+    def run(name: str, args) -> str:
+        serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
         created.append(name)
         return f"{serve_url}/{name}"
 
@@ -58,14 +57,11 @@ def apps(serve_url):
 @pytest.fixture(scope="module")
 def batching_url(apps) -> str:
     """dp 1, two CPUs for the rank, a 400 ms batch window, no cache."""
-    args = AppArgs(
+    args = app_args(
         dp_size=1,
-        device="cpu",
-        preprocess_backend="cpu",
         rank_actor_options={"num_cpus": 2},
         max_batch_wait_ms=400,
         feature_cache_bytes=0,
-        **LIMITS,
     )
     return apps("batching", args)
 
@@ -73,18 +69,16 @@ def batching_url(apps) -> str:
 @pytest.fixture(scope="module")
 def two_ingress_url(apps) -> str:
     """dp 2 behind two ingress replicas; a 1.5 s batch window keeps work outstanding."""
-    args = AppArgs(
+    args = app_args(
         dp_size=2,
-        device="cpu",
-        preprocess_backend="cpu",
+        ingress_replicas=2,
         max_batch_wait_ms=1500,
         max_batch_patches=1 << 20,
         feature_cache_bytes=0,
         cost_model="patches",
         load_report_interval_ms=0,
-        **LIMITS,
     )
-    return apps("two_ingress", args, num_replicas=2)
+    return apps("two_ingress", args)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,98 @@
+"""The ingress's rank clients: Serve deployment handles behind ``fanout.RankClient``.
+
+The one place that knows Ray's exceptions. A call's failure is translated when it
+is awaited: the errors that mean "not the request's fault, send it elsewhere"
+become ``RankUnavailableError``; an error the rank raised (an undecodable image,
+an encoder failure) is re-raised as itself, unwrapped from ``RayTaskError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import (
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
+
+from kimi_encoder.items import EncoderItem
+
+from .fanout import RankUnavailableError
+
+# ActorDiedError and ActorUnavailableError are RayActorErrors.
+UNAVAILABLE = (
+    RayActorError,
+    BackPressureError,
+    DeploymentUnavailableError,
+    ReplicaUnavailableError,
+)
+
+
+class RankCall:
+    """A ``DeploymentResponse`` whose failures are translated when awaited (also one that
+    sending it raised at once)."""
+
+    def __init__(self, rank: int, send: Callable[[], DeploymentResponse]):
+        self.rank = rank
+        self.response: DeploymentResponse | None = None
+        self.error: RankUnavailableError | None = None
+        self.finished = False
+        try:
+            self.response = send()
+        except UNAVAILABLE as exc:
+            self.error = RankUnavailableError(rank, exc)
+
+    def __await__(self) -> Any:
+        if self.error is not None:
+            raise self.error
+        assert self.response is not None
+        try:
+            result = yield from self.response.__await__()
+        except asyncio.CancelledError:
+            raise  # our wait was cancelled: the call itself may still run
+        except RayTaskError as exc:
+            self.finished = True
+            if isinstance(exc.cause, UNAVAILABLE):
+                raise RankUnavailableError(self.rank, exc.cause) from exc
+            raise exc.cause from None
+        except UNAVAILABLE as exc:
+            self.finished = True
+            raise RankUnavailableError(self.rank, exc) from exc
+        except BaseException:
+            self.finished = True
+            raise
+        self.finished = True
+        return result
+
+    def cancel(self) -> None:
+        """Cancel the call unless it has finished. Serve 2.60's ``cancel()`` on a response
+        whose assignment already failed (backpressure) cancels the caller's own request."""
+        if self.response is not None and not self.finished:
+            self.response.cancel()
+
+
+class RankHandle:
+    """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``)."""
+
+    def __init__(self, rank: int, handle: DeploymentHandle):
+        self.rank = rank
+        self.handle = handle
+
+    def encode(
+        self, indices: list[int], items: list[EncoderItem], sent_at: float, caller: str
+    ) -> RankCall:
+        encode = self.handle.encode
+        return RankCall(
+            self.rank, lambda: encode.remote(indices, items, sent_at=sent_at, caller=caller)
+        )
+
+    def load(self) -> RankCall:
+        return RankCall(self.rank, self.handle.load.remote)
+
+    def info(self) -> RankCall:
+        return RankCall(self.rank, self.handle.info.remote)

@@ -1,0 +1,165 @@
+"""Every row of the error table (deployments/errors.py) through a real route.
+
+One app of its own: an API key, one rank whose forward the test can hold or fail
+(controlled.py), one call at a time at the rank and a queue of one, a short request
+timeout. Each case is produced by what a client or a fault really does, and must
+answer the row's status and error type in the JSON envelope.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+
+import pytest
+import ray
+import requests
+from controlled import Switchboard, controlled_factory
+from pydantic import ValidationError
+from ray import serve
+from serve_helpers import app_args, b64, make_image
+
+from deployments.admission import FormError, UnsupportedMediaTypeError
+from deployments.app import bind_app
+from deployments.errors import ERRORS
+from deployments.fanout import NoRankAvailableError, RequestTimeoutError
+from deployments.security import UnauthorizedError
+from kimi_encoder.items import EncoderInputError, LimitExceededError
+
+pytestmark = pytest.mark.serve
+
+APP = "errors"
+KEY = "table-walk-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+IMAGE = make_image(64, 48, "RGB", 11)
+
+
+@pytest.fixture(scope="module")
+def board(serve_url):
+    return Switchboard.remote()
+
+
+@pytest.fixture(scope="module")
+def url(serve_url, board, tmp_path_factory):
+    key_file = tmp_path_factory.mktemp("key") / "api-key"
+    key_file.write_text(KEY)
+    args = app_args(
+        dp_size=1,
+        api_key_file=str(key_file),
+        request_timeout_s=3,
+        rank_cooldown_s=0.5,
+        feature_cache_bytes=0,
+        calibration_grids=[],
+        rank_options={"max_ongoing_requests": 1, "max_queued_requests": 1},
+    )
+    serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+def post(url: str, headers=AUTH, **kwargs) -> requests.Response:
+    return requests.post(f"{url}/v1/encode", headers=headers, timeout=60, **kwargs)
+
+
+def one_image(url: str) -> requests.Response:
+    return post(url, json={"items": [{"type": "image", "image": b64(IMAGE)}]})
+
+
+def quiet(url: str) -> bool:
+    """The rank is up for the ingress, has nothing outstanding, and nothing is in flight."""
+    info = requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()
+    load = requests.get(f"{url}/v1/load", headers=AUTH, timeout=30).json()
+    (rank,) = info["ranks"]
+    return (
+        info["failover"]["ranks_up"] == [0]
+        and rank.get("outstanding", {}).get("images") == 0
+        and load["ranks"][0]["inflight_requests"] == 0
+    )
+
+
+@pytest.fixture
+def settled(url):
+    """Each case starts on a quiet rank (a held call from the case before has finished)."""
+    deadline = time.monotonic() + 30
+    while not quiet(url):
+        assert time.monotonic() < deadline, "the rank never settled"
+        time.sleep(0.1)
+    return url
+
+
+def past_the_queue(url: str, board) -> requests.Response:
+    """While a first request's forward holds the rank's only slot, two more: one fits the
+    one-call queue, the other is refused at once (whichever comes second)."""
+    ray.get(board.set.remote(0, "hold"))
+    with cf.ThreadPoolExecutor(3) as pool:
+        first = pool.submit(one_image, url)
+        ray.get(board.wait_held.remote(0), timeout=30)
+        more = [pool.submit(one_image, url) for _ in range(2)]
+        try:
+            return next(cf.as_completed(more, timeout=30)).result()
+        finally:
+            ray.get(board.set.remote(0, "run"))
+            for call in [first, *more]:
+                call.result(timeout=60)
+
+
+def held_past_the_timeout(url: str, board) -> requests.Response:
+    ray.get(board.set.remote(0, "hold"))
+    try:
+        return one_image(url)  # request_timeout_s=3
+    finally:
+        ray.get(board.set.remote(0, "run"))
+
+
+def failing_forward(url: str, board) -> requests.Response:
+    ray.get(board.set.remote(0, "fail"))
+    try:
+        return one_image(url)
+    finally:
+        ray.get(board.set.remote(0, "run"))
+
+
+CASES = {
+    EncoderInputError: lambda url, board: post(
+        url, json={"items": [{"type": "image", "image": "%%%"}]}
+    ),
+    UnauthorizedError: lambda url, board: post(url, headers={}, json={"items": []}),
+    LimitExceededError: lambda url, board: post(
+        url, json={"items": [{"type": "image", "image": b64(IMAGE)}] * 11}
+    ),
+    UnsupportedMediaTypeError: lambda url, board: post(
+        url, data=b"x", headers={**AUTH, "content-type": "text/plain"}
+    ),
+    FormError: lambda url, board: post(url, files={"picture": ("a.png", IMAGE)}),
+    ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
+    NoRankAvailableError: past_the_queue,
+    RequestTimeoutError: held_past_the_timeout,
+    RuntimeError: failing_forward,  # no row: any other exception is an internal error
+}
+
+
+def test_every_row_of_the_table_is_reached(url, board):
+    assert set(CASES) - {RuntimeError} == set(ERRORS)
+
+
+@pytest.mark.parametrize("error", list(CASES), ids=lambda e: e.__name__)
+def test_error_answers_its_row(settled, board, error):
+    status, kind = ERRORS.get(error, (500, "internal_error"))
+    response = CASES[error](settled, board)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["type"] == kind, response.text
+    if status == 503:
+        assert int(response.headers["Retry-After"]) >= 1
+    if status == 401:
+        assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "kind"),
+    [("get", "/nope", 404, "not_found"), ("get", "/v1/encode", 405, "method_not_allowed")],
+)
+def test_routing_errors_use_the_envelope(url, method, path, status, kind):
+    response = requests.request(method, f"{url}{path}", headers=AUTH, timeout=30)
+    assert response.status_code == status
+    assert response.json()["error"]["type"] == kind, response.text

@@ -1,0 +1,220 @@
+"""The fan-out without Ray: fake rank clients, real owner assignment, real gather.
+
+Each fake rank answers with features derived from its items' bytes, so a wrong
+order or a mixed-up duplicate shows as wrong data. Timing is controlled with
+asyncio events: a rank that must fail "mid-call" fails after the fan-out has
+sent to every rank, a hanging rank waits on an event that is never set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from images import image_bytes
+
+from deployments.dispatch import Dispatcher
+from deployments.fanout import (
+    FanOut,
+    NoRankAvailableError,
+    RankHealth,
+    RankUnavailableError,
+    RequestTimeoutError,
+)
+from kimi_encoder.config import get_preset
+from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
+
+PRESET = get_preset("tiny")
+VISION = PRESET.vision
+
+
+def features_of(item: EncoderItem) -> np.ndarray:
+    """What a fake rank returns for ``item``: rows derived from its bytes and grid."""
+    seed = int.from_bytes(hashlib.sha256(item.image).digest()[:4], "little")
+    rows = VISION.num_tokens(item.grid)
+    return np.random.default_rng(seed).random((rows, VISION.text_hidden_size), dtype=np.float32)
+
+
+class FakeCall:
+    def __init__(self, coro):
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+Behaviour = Callable[[int, list[int], list[EncoderItem]], object]
+
+
+class FakeRank:
+    """A rank client whose encode runs ``behaviour`` (a coroutine function) or answers."""
+
+    def __init__(self, rank: int, behaviour=None):
+        self.rank = rank
+        self.behaviour = behaviour
+        self.calls: list[list[int]] = []  # request indices of each encode call
+        self.cancelled = 0
+
+    def encode(self, indices, items, sent_at, caller) -> FakeCall:
+        self.calls.append(list(indices))
+        return FakeCall(self._encode(list(indices), list(items)))
+
+    async def _encode(self, indices, items):
+        try:
+            if self.behaviour is not None:
+                await self.behaviour(self.rank, indices, items)
+            return {
+                "rank": self.rank,
+                "features": [features_of(item) for item in items],
+                "encode_ms": 1.0,
+                "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
+                "done_at": 0.0,
+                "load": None,
+            }
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def load(self) -> FakeCall:
+        async def report():
+            return {"by_caller": {}, "cost_model": {"a": 0.0, "b": 1.0, "c": 0.0}}
+
+        return FakeCall(report())
+
+
+def fan_out(ranks: list[FakeRank], timeout_s: float = 30.0, cooldown_s: float = 60.0):
+    dispatcher = Dispatcher(
+        len(ranks),
+        model_name="tiny",
+        dtype="float32",
+        cost_model="patches",
+        report_interval_ms=0,
+        affinity_tolerance=0.25,
+        cache_enabled=False,
+    )
+    health = RankHealth(ranks, cooldown_s)
+    fanout = FanOut(
+        ranks,
+        dispatcher,
+        health,
+        vision=VISION,
+        timeout_s=timeout_s,
+    )
+    return fanout, health
+
+
+def items(count: int, seed: int = 0) -> list[EncoderItem]:
+    sizes = [(96, 64), (64, 48), (120, 90), (80, 56), (56, 84), (70, 70)]
+    return [
+        plan_image(image_bytes("RGB", sizes[i % len(sizes)], seed + i), PRESET.preprocess, "cpu")
+        for i in range(count)
+    ]
+
+
+def assert_in_order(gathered, request: list[EncoderItem]) -> None:
+    assert len(gathered.features) == len(request)
+    for got, item in zip(gathered.features, request, strict=True):
+        np.testing.assert_array_equal(got, features_of(item))
+
+
+def test_all_ranks_answer_in_request_order():
+    ranks = [FakeRank(0), FakeRank(1)]
+    fanout, health = fan_out(ranks)
+    request = items(6)
+    gathered = asyncio.run(fanout.run(request))
+    assert_in_order(gathered, request)
+    assert gathered.redispatched == 0 and health.down() == set()
+    assert sorted(i for r in ranks for call in r.calls for i in call) == list(range(6))
+    for rank in ranks:  # each image went to the owner the gather reports
+        for i in rank.calls[0]:
+            assert gathered.owners[i] == rank.rank
+
+
+def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
+    sent = asyncio.Event()
+
+    async def die_after_send(rank, indices, items):
+        await sent.wait()  # every rank has its share: the fan-out is past sending
+        raise RankUnavailableError(rank, ConnectionError("actor died"))
+
+    async def signal(rank, indices, items):
+        sent.set()
+
+    ranks = [FakeRank(0, signal), FakeRank(1, die_after_send)]
+    fanout, health = fan_out(ranks)
+    request = items(6, seed=10)
+    gathered = asyncio.run(fanout.run(request))
+    assert_in_order(gathered, request)
+    lost = ranks[1].calls[0]
+    assert lost and gathered.redispatched == len(lost)
+    assert all(gathered.owners[i] == 0 for i in range(6))
+    assert ranks[0].calls[1] == lost  # the second round carried exactly rank 1's share
+    assert health.down() == {1} and health.failures == [0, 1]
+
+
+def test_every_rank_down_is_no_rank_available_with_retry_after():
+    async def unavailable(rank, indices, items):
+        raise RankUnavailableError(rank, ConnectionError("no replica"))
+
+    ranks = [FakeRank(0, unavailable), FakeRank(1, unavailable)]
+    fanout, health = fan_out(ranks, cooldown_s=30)
+    with pytest.raises(NoRankAvailableError, match="retry after 30 s") as info:
+        asyncio.run(fanout.run(items(4)))
+    assert info.value.retry_after_s == 30 and health.down() == {0, 1}
+
+
+def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
+    async def bad_image(rank, indices, items):
+        raise EncoderInputError("cannot decode the image", indices[0])
+
+    ranks = [FakeRank(0, bad_image), FakeRank(1)]
+    fanout, health = fan_out(ranks)
+    request = items(4, seed=20)
+    with pytest.raises(EncoderInputError, match=r"item \d: cannot decode"):
+        asyncio.run(fanout.run(request))
+    assert len(ranks[0].calls) == 1 and len(ranks[1].calls) == 1  # one round only
+    assert health.down() == set() and health.redispatched == 0
+
+
+def test_timeout_cancels_every_call():
+    never = asyncio.Event()
+
+    async def hang(rank, indices, items):
+        await never.wait()
+
+    ranks = [FakeRank(0, hang), FakeRank(1, hang)]
+    fanout, _ = fan_out(ranks, timeout_s=0.05)
+    with pytest.raises(RequestTimeoutError, match="request_timeout_s=0.05 s"):
+        asyncio.run(fanout.run(items(4, seed=30)))
+    assert [r.cancelled for r in ranks] == [1, 1]
+
+
+def test_duplicates_are_encoded_once_and_share_their_features():
+    ranks = [FakeRank(0), FakeRank(1)]
+    fanout, _ = fan_out(ranks)
+    distinct = items(3, seed=40)
+    request = [distinct[0], distinct[1], distinct[0], distinct[2], distinct[0]]
+    gathered = asyncio.run(fanout.run(request))
+    assert_in_order(gathered, request)
+    sent = sorted(i for r in ranks for call in r.calls for i in call)
+    assert sent == [0, 1, 3]  # the copies at 2 and 4 were never sent
+    assert gathered.owners[2] == gathered.owners[4] == gathered.owners[0]
+
+
+def test_a_rank_that_answers_its_probe_takes_work_again():
+    async def scenario():
+        ranks = [FakeRank(0), FakeRank(1)]
+        _, health = fan_out(ranks, cooldown_s=0)
+        health.mark_down(RankUnavailableError(1, ConnectionError("replaced")))
+        assert health.down() == {1}
+        await health._probes[1]  # the background probe: cool-down 0, then rank 1's load()
+        return health
+
+    health = asyncio.run(scenario())
+    assert health.down() == set() and health.recoveries == [0, 1]
