@@ -44,7 +44,6 @@ _ALLOWED_SIGNATURES = (
 # Formats recognised only to name them in the refusal.
 _OTHER_SIGNATURES = (
     (b"\x00\x00\x01\x00", "ICO"),
-    (b"\x00\x00\x02\x00", "CUR"),
     (b"icns", "ICNS"),
     (b"%!PS", "PostScript/EPS"),
     (b"\xc5\xd0\xd3\xc6", "EPS"),
@@ -99,9 +98,12 @@ def header_size(data: bytes, fmt: str) -> tuple[int, int]:
     return _PARSERS[fmt](data)
 
 
-def _need(data: bytes, end: int, what: str) -> None:
+def _need(data: bytes, end: int, what: str, *args: object) -> None:
+    """Refuse a file shorter than ``end`` bytes; ``what.format(*args)`` names the structure."""
     if len(data) < end:
-        raise HeaderError(f"{what} needs {end} bytes but the file has {len(data)} (truncated)")
+        raise HeaderError(
+            f"{what.format(*args)} needs {end} bytes but the file has {len(data)} (truncated)"
+        )
 
 
 def _png(data: bytes) -> tuple[int, int]:
@@ -163,10 +165,10 @@ def _jpeg(data: bytes) -> tuple[int, int]:
             continue
         if marker < 0xC0:
             raise HeaderError(f"JPEG has an invalid marker 0xFF{marker:02X} at byte {start}")
-        _need(data, pos + 2, f"JPEG segment 0xFF{marker:02X} at byte {start}")
+        _need(data, pos + 2, "JPEG segment 0xFF{:02X} at byte {}", marker, start)
         length = struct.unpack_from(">H", data, pos)[0]
         body, pos = pos + 2, pos + max(length, 2)
-        _need(data, pos, f"JPEG segment 0xFF{marker:02X} at byte {start} ({length} bytes)")
+        _need(data, pos, "JPEG segment 0xFF{:02X} at byte {} ({} bytes)", marker, start, length)
         if marker in _JPEG_FRAMES:
             size = _jpeg_frame(data, body, pos, start)
         if marker == _JPEG_SOS:

@@ -223,8 +223,10 @@ def test_pillow_would_open_the_refused_formats():
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"])
-def test_each_allowed_format_is_read(fmt):
-    assert read_image_size(_saved(fmt)) == (32, 32, fmt)
+def test_each_allowed_format_is_read_and_limited(fmt):
+    assert read_image_size(_saved(fmt), max_pixels=1024) == (32, 32, fmt)
+    with pytest.raises(LimitExceededError, match="item 1: image is 32x32 = 1024 pixels, over"):
+        read_image_size(_saved(fmt), max_pixels=1023, index=1)
 
 
 def test_pil_bomb_band():
