@@ -6,7 +6,15 @@ from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    Tag,
+    model_validator,
+)
 
 ResponseFormat = Literal["json", "safetensors"]
 
@@ -21,8 +29,10 @@ class PixelValues(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     data: str = Field(description="Base64 of the little-endian array bytes, C order.")
-    shape: list[int] = Field(
-        min_length=4, max_length=4, description="[rows, 3, patch, patch]; rows = sum of t*h*w."
+    shape: list[Annotated[int, Field(le=2**31 - 1)]] = Field(
+        min_length=4,
+        max_length=4,
+        description="[rows, 3, patch, patch]; rows = sum of t*h*w (below 2**31).",
     )
     dtype: Literal["float32"] = Field("float32", description="Element type; only float32.")
 
@@ -42,8 +52,10 @@ class ImageItem(BaseModel):
     pixel_values: PixelValues | None = Field(
         None, description="Preprocessed patches; an item with k grids is split into k images."
     )
-    grid_thws: list[list[int]] | None = Field(
-        None, description="One [1, h, w] row per image in pixel_values (patches per side)."
+    grid_thws: list[list[StrictInt]] | None = Field(
+        None,
+        description="One [1, h, w] row of JSON integers per image in pixel_values (patches "
+        "per side).",
     )
 
     @model_validator(mode="after")

@@ -7,9 +7,8 @@ expensive preprocessing is deferred to the rank that owns the item.
 
 from __future__ import annotations
 
-import io
 import math
-import warnings
+import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from . import headers
 from .config import PreprocessConfig
 
 BACKENDS = ("gpu", "cpu")
@@ -39,6 +39,26 @@ class EncoderInputError(ValueError):
 
 class LimitExceededError(EncoderInputError):
     """A request is over a configured limit (HTTP 413)."""
+
+
+class UnsupportedFormatError(EncoderInputError):
+    """An image file in a format the server does not read (HTTP 415)."""
+
+    @classmethod
+    def detected(cls, fmt: str, data: bytes, index: int | None = None) -> UnsupportedFormatError:
+        """The refusal of ``data``, whose signature says ``fmt`` (a name, or 'unknown')."""
+        if fmt == "unknown":
+            what = (
+                f"cannot read the image header: {len(data)} bytes in an unknown format "
+                f"(first bytes {data[:8].hex(' ')})"
+            )
+        else:
+            what = f"image format {fmt} is not accepted ({len(data)} bytes)"
+        return cls(
+            f"{what}; the server reads {headers.FORMAT_LIST} files, recognised by their "
+            "signature (not by name or media type); convert the image to one of them.",
+            index,
+        )
 
 
 class Modality(str, Enum):
@@ -190,38 +210,38 @@ def check_pixels(
 def read_image_size(data: bytes, max_pixels: int | None = None, index: int | None = None):
     """(width, height, format) from the file header; pixels are not decoded.
 
-    PIL's own bomb protection stays on: above ``2 * Image.MAX_IMAGE_PIXELS`` it
-    refuses to open the file at all. Its warning band below that is our
-    ``max_pixels`` check's business when a limit is given, an error otherwise.
+    The format is detected from the file's signature and must be one of
+    ``headers.FORMATS``; the size is parsed by ``headers`` without Pillow. PIL's
+    bomb limit still applies: above ``2 * Image.MAX_IMAGE_PIXELS`` the image is
+    refused; the band between is our ``max_pixels`` check's business when a
+    limit is given, refused otherwise.
     """
     if not data:
         raise EncoderInputError("image data is empty (0 bytes); send a PNG/JPEG/WebP file.", index)
+    fmt = headers.detect_format(data)
+    if fmt not in headers.FORMATS:
+        raise UnsupportedFormatError.detected(fmt, data, index)
     try:
-        with warnings.catch_warnings():
-            action = "error" if max_pixels is None else "ignore"
-            warnings.simplefilter(action, Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as img:
-                width, height, fmt = img.size[0], img.size[1], img.format
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        limit = "" if max_pixels is None else f"max_image_pixels={max_pixels}; "
-        raise LimitExceededError(
-            f"image header claims a decompression bomb ({exc}); {limit}send a smaller image.",
-            index,
-        ) from None
-    except Image.UnidentifiedImageError:
+        width, height = headers.header_size(data, fmt)
+    except headers.HeaderError as exc:
         raise EncoderInputError(
-            f"cannot read the image header: {len(data)} bytes in no image format this server "
-            "reads; send a valid PNG, JPEG, WebP, GIF, BMP or TIFF file.",
-            index,
-        ) from None
-    except Exception as exc:  # PIL raises many types for undecodable data
-        raise EncoderInputError(
-            f"cannot read the image header ({type(exc).__name__}: {exc}); send a valid "
-            "PNG, JPEG, WebP, GIF, BMP or TIFF file.",
+            f"cannot read the image header ({exc}); send a valid {headers.FORMAT_LIST} file.",
             index,
         ) from None
     if width < 1 or height < 1:
-        raise EncoderInputError(f"image has an empty size {width}x{height}.", index)
+        raise EncoderInputError(
+            f"image has an empty size {width}x{height} ({fmt} header); send an image of at "
+            "least 1x1 pixels.",
+            index,
+        )
+    limit = Image.MAX_IMAGE_PIXELS  # PIL's bomb limit, doubled when max_pixels is ours to check
+    if limit is not None and width * height > (over := limit if max_pixels is None else 2 * limit):
+        named = "" if max_pixels is None else f"max_image_pixels={max_pixels}; "
+        raise LimitExceededError(
+            f"image header claims a decompression bomb: {width}x{height} = {width * height} "
+            f"pixels, over PIL's limit of {over}; {named}send a smaller image.",
+            index,
+        )
     check_pixels(width, height, max_pixels, index)
     return width, height, fmt
 
@@ -250,31 +270,70 @@ def plan_image(
     return EncoderItem(grid, image=data, deferred=deferred, original_size=(width, height))
 
 
-def check_grid_rows(grid_thws: Any, patch_size: int, merge: int, index: int | None = None):
-    """Validate a client-supplied (k, 3) grid table of images."""
-    grids = torch.as_tensor(grid_thws)
-    if grids.ndim != 2 or grids.shape[1] != 3 or grids.shape[0] < 1:
+INT64_MAX = 2**63 - 1
+
+
+def check_grid_rows(
+    grid_thws: Any, patch_size: int, merge: int, index: int | None = None
+) -> torch.Tensor:
+    """Validate a client-supplied (k, 3) grid table of images; the table as int64.
+
+    Checked in Python integers before any tensor exists, so nothing wraps: a
+    ragged table, a non-integer (booleans included) or a value whose patch
+    count ``t*h*w`` (or the table's running sum) passes int64 is refused, naming
+    the row.
+    """
+    rows = grid_thws.tolist() if hasattr(grid_thws, "tolist") else grid_thws  # tensor, array
+    if (
+        not isinstance(rows, (list, tuple))
+        or not rows
+        or not all(isinstance(row, (list, tuple)) for row in rows)
+    ):
         raise EncoderInputError(
-            f"grid_thws must be a non-empty list of [t, h, w] rows, got shape "
-            f"{tuple(grids.shape)}.",
-            index,
+            f"grid_thws must be a non-empty list of [t, h, w] rows, got {_clip(rows)}.", index
         )
-    if grids.dtype.is_floating_point or grids.dtype == torch.bool:
-        raise EncoderInputError("grid_thws must hold integers.", index)
-    grids = grids.to(torch.int64)
-    for t, h, w in grids.tolist():
+    checked, total = [], 0
+    for r, row in enumerate(rows):
+        if len(row) != 3:
+            raise EncoderInputError(
+                f"grid_thws row {r} is {_clip(row)} with {len(row)} values; every row is "
+                "[t, h, w].",
+                index,
+            )
+        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in row):
+            raise EncoderInputError(
+                f"grid_thws row {r} is {_clip(row)}; grid_thws must hold integers (no "
+                "booleans, floats or strings).",
+                index,
+            )
+        t, h, w = (int(v) for v in row)
         if t != 1:
             raise EncoderInputError(
-                f"grid row [{t}, {h}, {w}] has t={t}; images have t=1 (video is not served).",
+                f"grid_thws row {r} is [{t}, {h}, {w}] with t={_clip(t)}; images have t=1 "
+                "(video is not served).",
                 index,
             )
         if h < merge or w < merge or h % merge or w % merge:
             raise EncoderInputError(
-                f"grid row [{t}, {h}, {w}] must have h and w as positive multiples of the "
-                f"merge kernel {merge}.",
+                f"grid_thws row {r} is [{t}, {_clip(h)}, {_clip(w)}]; h and w must be positive "
+                f"multiples of the merge kernel {merge}.",
                 index,
             )
-    return grids
+        total += t * h * w
+        if total > INT64_MAX:
+            raise EncoderInputError(
+                f"grid_thws row {r} is [{t}, {_clip(h)}, {_clip(w)}]: the rows need {_clip(total)} "
+                "patches, past int64; send grids that match the pixel_values rows.",
+                index,
+            )
+        checked.append((t, h, w))
+    return torch.tensor(checked, dtype=torch.int64)
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def split_pixel_values(
@@ -282,14 +341,15 @@ def split_pixel_values(
 ) -> list[EncoderItem]:
     """Split an aggregated item (k grids, rows concatenated) into k items.
 
-    Rows are split by each grid's ``t*h*w``; a row count that does not match
-    the grids raises the feature-length error.
+    Rows are split by each grid's ``t*h*w``, computed in Python integers (a
+    product past int64 cannot wrap into a plausible row count); a row count
+    that does not match the grids raises the feature-length error.
     """
-    sizes = grid_thws.prod(dim=1).tolist()
+    sizes = [t * h * w for t, h, w in grid_thws.tolist()]
     if pixel_values.shape[0] != sum(sizes):
         raise EncoderInputError(
             f"{MSG_LENGTH}: pixel_values has {pixel_values.shape[0]} rows but the grids "
-            f"{grid_thws.tolist()} need {sum(sizes)}; send one row per patch.",
+            f"{_clip(grid_thws.tolist(), 200)} need {sum(sizes)}; send one row per patch.",
             index,
         )
     return [

@@ -21,7 +21,7 @@ from .items import (
     DeferredPreprocessing,
     EncoderInputError,
     LimitExceededError,
-    check_pixels,
+    read_image_size,
     unsupported_backend,
 )
 
@@ -31,11 +31,14 @@ Materialized = tuple[torch.Tensor, tuple[int, int, int]]
 def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
     """Decode as is: no EXIF transpose, no mode conversion. Multi-frame files give frame 0.
 
-    The size is checked against ``max_pixels`` from the header before any pixel is
-    decoded (and PIL's own decompression-bomb limit stays on).
+    The header is read again first, as admission reads it (the format allow-list,
+    ``max_pixels`` and the bomb limit, before Pillow sees the bytes); Pillow then
+    opens the file only as the format its signature names and must find the
+    header's size before any pixel is decoded.
     """
+    width, height, fmt = read_image_size(data, max_pixels)
     try:
-        img = Image.open(io.BytesIO(data))
+        img = Image.open(io.BytesIO(data), formats=[fmt])
     except Image.DecompressionBombError as exc:
         raise LimitExceededError(
             f"image header claims a decompression bomb ({exc}); send a smaller image."
@@ -44,7 +47,11 @@ def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
         raise EncoderInputError(
             f"cannot decode the image ({type(exc).__name__}: {exc}); send a complete, valid file."
         ) from None
-    check_pixels(*img.size, max_pixels)
+    if img.size != (width, height):
+        raise EncoderInputError(
+            f"cannot decode the image: its {fmt} header reads {width}x{height} but the decoder "
+            f"finds {img.size[0]}x{img.size[1]}; send a well-formed file."
+        )
     try:
         img.load()
     except Exception as exc:

@@ -1,8 +1,14 @@
 """Admission: resize math, grids from headers, modality gate, splitting, backends."""
 
+import io
+import struct
+import zlib
+
+import numpy as np
 import pytest
 import torch
-from images import image_bytes
+from images import image_bytes, make_image, png_claiming
+from PIL import Image
 
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.items import (
@@ -11,6 +17,7 @@ from kimi_encoder.items import (
     EncoderItem,
     LimitExceededError,
     Modality,
+    UnsupportedFormatError,
     check_grid_rows,
     check_modality,
     navit_resize,
@@ -102,16 +109,49 @@ def test_split_item_refuses_raw_item_with_many_grids():
 @pytest.mark.parametrize(
     "grids, match",
     [
-        ([[2, 4, 4]], "t=2"),
-        ([[1, 3, 4]], "multiples"),
-        ([1, 2, 3], "rows"),
-        ([[1.0, 2, 2]], "integers"),
+        ([[2, 4, 4]], r"row 0 is \[2, 4, 4\] with t=2; images have t=1"),
+        ([[1, 2, 2], [1, 3, 4]], r"row 1 is \[1, 3, 4\]; h and w must be positive multiples"),
+        ([1, 2, 3], r"must be a non-empty list of \[t, h, w\] rows, got \[1, 2, 3\]"),
+        ([], r"must be a non-empty list of \[t, h, w\] rows, got \[\]"),
+        ("[[1, 2, 2]]", "must be a non-empty list of .* rows, got '"),
+        ([[1, 2, 2], [1, 2]], r"row 1 is \[1, 2\] with 2 values; every row is \[t, h, w\]"),
+        ([[1, 2, 2, 2]], r"row 0 is \[1, 2, 2, 2\] with 4 values"),
+        ([[1.0, 2, 2]], r"row 0 is \[1.0, 2, 2\]; grid_thws must hold integers"),
+        ([[True, 2, 2]], r"row 0 is \[True, 2, 2\]; grid_thws must hold integers \(no booleans"),
+        ([[1, "2", 2]], r"row 0 is \[1, '2', 2\]; grid_thws must hold integers"),
+        (torch.ones(1, 3, dtype=torch.bool), r"row 0 is \[True, True, True\]; grid_thws must"),
+        (torch.full((1, 3), 2.0), r"row 0 is \[2.0, 2.0, 2.0\]; grid_thws must hold"),
+        ([[1, 2, 2**64]], r"row 0 is \[1, 2, 18446744073709551616\]: the rows need .* past int64"),
+        ([[2**64 + 1, 2, 2]], r"row 0 is \[18446744073709551617, 2, 2\] with t=1844"),
+        ([[1, 2, 2], [1, 2**62 + 2, 4]], r"row 1 is \[1, 4611686018427387906, 4\]: .* past int64"),
+        ([[1, 2**31, 2**31]] * 3, r"row 1 .* the rows need 9223372036854775808 patches"),
     ],
-    ids=["video-t", "odd-h", "flat", "float"],
-)
+    ids=[
+        "video-t", "odd-h", "flat", "empty", "string", "ragged", "four", "float", "bool", "str",
+        "bool-tensor", "float-tensor", "above-int64", "huge-t", "wraps-int64", "sum-wraps",
+    ],
+)  # fmt: skip
 def test_bad_grid_rows(grids, match):
-    with pytest.raises(EncoderInputError, match=match):
-        check_grid_rows(grids, 14, 2)
+    with pytest.raises(EncoderInputError, match="item 4: grid_thws " + match):
+        check_grid_rows(grids, 14, 2, index=4)  # every message names the item and the row
+
+
+@pytest.mark.parametrize(
+    "grids",
+    [[[1, 2, 4], [1, 6, 2]], ((1, 2, 4), (1, 6, 2)), np.array([[1, 2, 4], [1, 6, 2]])],
+    ids=["list", "tuple", "numpy"],
+)
+def test_good_grid_rows_become_int64(grids):
+    checked = check_grid_rows(grids, 14, 2)
+    assert checked.dtype == torch.int64 and checked.tolist() == [[1, 2, 4], [1, 6, 2]]
+
+
+def test_split_counts_rows_without_wrapping():
+    """t*h*w = 2**64 + 8 wraps to 8 in int64: the row count must not match 4 + 8 rows."""
+    grids = torch.tensor([[1, 2, 2], [1, 2**62 + 2, 4]])
+    assert int(grids.prod(dim=1).sum()) == 12  # what int64 arithmetic would have accepted
+    with pytest.raises(EncoderInputError, match=r"has 12 rows but the grids .* need 18446744"):
+        split_pixel_values(torch.zeros(12, 3, 14, 14), grids, index=0)
 
 
 def test_backend_validated_at_config_and_dispatch():
@@ -126,17 +166,78 @@ def test_backend_validated_at_config_and_dispatch():
     assert resolve_backend("gpu") == "gpu"
 
 
+def _saved(fmt: str, mode: str = "RGB") -> bytes:
+    buf = io.BytesIO()
+    make_image(mode, (32, 32)).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def _png_ihdr(width: int, height: int, first: bytes = b"IHDR") -> bytes:
+    body = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    chunk = struct.pack(">I", 13) + first + body + struct.pack(">I", zlib.crc32(first + body))
+    return b"\x89PNG\r\n\x1a\n" + chunk
+
+
+ALLOWED = r"the server reads PNG, JPEG, WebP, GIF, BMP or TIFF files, recognised by their signature"
+
+
 @pytest.mark.parametrize(
     "data, error, match",
     [
-        (b"", EncoderInputError, "empty"),
-        (b"not an image at all", EncoderInputError, "cannot read the image header"),
+        (b"", EncoderInputError, r"image data is empty \(0 bytes\)"),
+        (
+            b"not an image at all",
+            UnsupportedFormatError,
+            r"cannot read the image header: 19 bytes in an unknown format \(first bytes "
+            r"6e 6f 74 20 61 6e 20 69\); " + ALLOWED,
+        ),
+        (_saved("ICO"), UnsupportedFormatError, r"image format ICO is not accepted \(\d+ bytes"),
+        (_saved("EPS"), UnsupportedFormatError, "image format PostScript/EPS is not accepted"),
+        (_saved("PDF"), UnsupportedFormatError, "image format PDF is not accepted"),
+        (_saved("JPEG2000"), UnsupportedFormatError, "image format JPEG 2000 is not accepted"),
+        (b"8BPS\x00\x01" + bytes(20), UnsupportedFormatError, "image format PSD is not accepted"),
+        (b"<svg xmlns='http://www.w3.org/2000/svg'/>", UnsupportedFormatError, "SVG/XML"),
+        (
+            _png_ihdr(5, 5, b"tEXt"),
+            EncoderInputError,
+            r"cannot read the image header \(PNG's first chunk is b'tEXt'; .*\); send a valid "
+            "PNG, JPEG, WebP, GIF, BMP or TIFF file",
+        ),
+        (_png_ihdr(0, 5), EncoderInputError, r"empty size 0x5 \(PNG header\); send an image of"),
     ],
-    ids=["empty", "garbage"],
+    ids=["empty", "garbage", "ico", "eps", "pdf", "jpeg2000", "psd", "svg", "png-order", "0x5"],
 )
 def test_bad_headers(data, error, match):
-    with pytest.raises(error, match=match):
-        read_image_size(data)
+    with pytest.raises(error, match=match) as info:
+        read_image_size(data, index=2)
+    assert type(info.value) is error and str(info.value).startswith("item 2: ")
+    if error is UnsupportedFormatError:
+        assert ALLOWED.split(",")[0] in str(info.value)
+
+
+def test_pillow_would_open_the_refused_formats():
+    """The allow-list is what refuses them: Pillow itself reads these files."""
+    for fmt in ("ICO", "EPS", "JPEG2000"):
+        with Image.open(io.BytesIO(_saved(fmt))) as img:
+            assert img.format == fmt and img.size == (32, 32)
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"])
+def test_each_allowed_format_is_read_and_limited(fmt):
+    assert read_image_size(_saved(fmt), max_pixels=1024) == (32, 32, fmt)
+    with pytest.raises(LimitExceededError, match="item 1: image is 32x32 = 1024 pixels, over"):
+        read_image_size(_saved(fmt), max_pixels=1023, index=1)
+
+
+def test_pil_bomb_band():
+    """Above MAX_IMAGE_PIXELS: refused without a limit, ours to decide with one; 2x: refused."""
+    band = png_claiming(10_000, 10_000)  # 1e8 pixels, between PIL's limit and twice it
+    assert Image.MAX_IMAGE_PIXELS < 10_000 * 10_000 <= 2 * Image.MAX_IMAGE_PIXELS
+    with pytest.raises(LimitExceededError, match=r"decompression bomb: 10000x10000 = 100000000"):
+        read_image_size(band)
+    assert read_image_size(band, max_pixels=10**8) == (10_000, 10_000, "PNG")
+    with pytest.raises(LimitExceededError, match=r"over PIL's limit of \d+; max_image_pixels=10"):
+        read_image_size(png_claiming(20_000, 20_000), max_pixels=10**9)
 
 
 def test_pixel_limit_from_header():

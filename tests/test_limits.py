@@ -5,11 +5,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import functools
+import io
+import struct
+import tracemalloc
+import zlib
 
 import numpy as np
 import pytest
-from images import image_bytes, png_claiming
+from images import image_bytes, make_image, png_claiming
 from PIL import Image
+from pydantic import ValidationError
 
 from deployments.admission import Admission, read_body
 from deployments.args import AppArgs
@@ -17,7 +23,13 @@ from deployments.schemas import EncodeRequest
 from deployments.security import ENV_VAR, ApiKey
 from kimi_encoder import preprocess
 from kimi_encoder.config import get_preset
-from kimi_encoder.items import EncoderInputError, LimitExceededError, plan_image
+from kimi_encoder.headers import MAX_STRUCTURES, header_size
+from kimi_encoder.items import (
+    EncoderInputError,
+    LimitExceededError,
+    UnsupportedFormatError,
+    plan_image,
+)
 
 PRESET = get_preset("tiny")
 ADMISSION = Admission(PRESET.vision, PRESET.preprocess, AppArgs(max_image_pixels=1_000_000))
@@ -62,6 +74,161 @@ def test_planned_item_carries_its_limit_to_the_rank():
     tighter = dataclasses.replace(item.deferred, max_pixels=100)
     with pytest.raises(LimitExceededError, match="60x40 = 2400 pixels"):
         preprocess.preprocess(item.image, tighter, PRESET.vision.patch_size, "cpu")
+
+
+def chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def deflated_zeros(size: int, block: int = 1 << 24) -> bytes:
+    """zlib stream of ``size`` zero bytes, compressed block by block (never all in memory)."""
+    out, stream = [], zlib.compressobj(6)
+    for start in range(0, size, block):
+        out.append(stream.compress(bytes(min(block, size - start))))
+    return b"".join(out) + stream.flush()
+
+
+@functools.cache
+def ico_bomb(side: int = 13_000) -> bytes:
+    """An ICO whose one entry is a PNG of ``side x side`` zero grey pixels (~0.16 MB)."""
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    payload = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+    payload += chunk(b"IDAT", deflated_zeros(side * (side + 1))) + chunk(b"IEND", b"")
+    directory = struct.pack("<HHH", 0, 1, 1) + struct.pack(
+        "<BBBBHHII", 0, 0, 0, 0, 1, 8, len(payload), 22
+    )
+    return directory + payload
+
+
+def jpeg(size=(64, 48)) -> bytes:
+    buf = io.BytesIO()
+    make_image("RGB", size).save(buf, format="JPEG")
+    return buf.getvalue()
+
+
+def gif_with_comment(blocks: int) -> bytes:
+    """A 5x5 GIF whose first frame follows a comment of ``blocks`` 255-byte sub-blocks."""
+    buf = io.BytesIO()
+    make_image("P", (5, 5)).save(buf, format="GIF")
+    data = buf.getvalue()
+    at = data.index(b",\x00\x00\x00\x00")
+    return data[:at] + b"!\xfe" + (b"\xff" + bytes(255)) * blocks + b"\x00" + data[at:]
+
+
+PNG_HEAD = image_bytes("RGB", (60, 40))
+ZTXT = chunk(b"zTXt", b"comment\0\0" + deflated_zeros(64 << 20))  # inflates to 64 MB
+BOUNDED = [
+    ("ico-bomb", ico_bomb, UnsupportedFormatError, "image format ICO is not accepted"),
+    ("png-claims-1e10", lambda: png_claiming(100_000, 100_000), LimitExceededError, "bomb"),
+    ("ztxt-before-ihdr", lambda: PNG_HEAD[:8] + ZTXT + PNG_HEAD[8:], EncoderInputError, "zTXt"),
+    ("ztxt-after-ihdr", lambda: PNG_HEAD[:33] + ZTXT + PNG_HEAD[33:], None, (60, 40)),
+    (
+        "jpeg-16000-markers",
+        lambda: jpeg()[:2] + b"\xff\xfe\x00\x02" * 16_000 + jpeg()[2:],
+        None,
+        (64, 48),
+    ),
+    (
+        "jpeg-too-many-markers",
+        lambda: jpeg()[:2] + b"\xff\xfe\x00\x02" * MAX_STRUCTURES + jpeg()[2:],
+        EncoderInputError,
+        "more than 16384 markers",
+    ),
+    (
+        "jpeg-8mb-of-app-segments",
+        lambda: jpeg()[:2] + (b"\xff\xe9\xff\xff" + bytes(65533)) * 128 + jpeg()[2:],
+        None,
+        (64, 48),
+    ),
+    ("gif-4mb-comment", lambda: gif_with_comment(16_000), None, (5, 5)),
+    ("gif-too-many-blocks", lambda: gif_with_comment(MAX_STRUCTURES), EncoderInputError, "16384"),
+]
+
+
+@pytest.mark.parametrize(
+    "build, error, expected", [b[1:] for b in BOUNDED], ids=[b[0] for b in BOUNDED]
+)
+def test_admission_memory_is_bounded(build, error, expected):
+    """Admission allocates under 1 MB beyond the input, whatever the input claims or holds."""
+    data = build()
+    tracemalloc.start()
+    try:
+        if error is None:
+            item = plan_image(data, PRESET.preprocess, "cpu", max_pixels=1_000_000)
+            assert item.original_size == expected
+        else:
+            with pytest.raises(error, match=expected):
+                plan_image(data, PRESET.preprocess, "cpu", max_pixels=1_000_000)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"{peak} bytes traced for a {len(data)}-byte input"
+
+
+def test_the_ico_bomb_is_one():
+    """Its payload really is a 13000x13000 PNG (169 MB of pixels) in 0.2 MB."""
+    data = ico_bomb()
+    assert len(data) < 300_000
+    assert header_size(data[22:], "PNG") == (13_000, 13_000)
+
+
+def test_rank_decode_refuses_what_admission_refuses():
+    for data, match in [
+        (ico_bomb(64), "image format ICO"),
+        (b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n", "image format PostScript/EPS"),
+    ]:
+        with pytest.raises(UnsupportedFormatError, match=match):
+            preprocess.decode(data)
+
+
+def test_rank_decode_needs_the_header_size():
+    """Two IHDR chunks: admission reads the first (8x8), Pillow the last (4000x4000)."""
+    second = chunk(b"IHDR", struct.pack(">IIBBBBB", 4000, 4000, 8, 2, 0, 0, 0))
+    data = png_claiming(8, 8)[:33] + second + png_claiming(8, 8)[33:]
+    assert plan_image(data, PRESET.preprocess, "cpu").original_size == (8, 8)
+    with pytest.raises(EncoderInputError, match="PNG header reads 8x8 but the decoder finds 4000x"):
+        preprocess.decode(data, max_pixels=1_000_000)
+
+
+def _pixel_item(grid_thws, rows: int = 4, shape_rows: int | None = None) -> dict:
+    data = base64.b64encode(bytes(rows * 3 * 14 * 14 * 4)).decode()
+    shape = [rows if shape_rows is None else shape_rows, 3, 14, 14]
+    return {"type": "image", "pixel_values": {"data": data, "shape": shape}, "grid_thws": grid_thws}
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        (_pixel_item([[1, 2, 2], [1, 2]]), r"item 0: grid_thws row 1 is \[1, 2\] with 2 values"),
+        (_pixel_item([[1, 2, 2**64]]), r"item 0: grid_thws row 0 .* past int64"),
+        (_pixel_item([[1, 2, 2], [1, 2**62 + 2, 4]], rows=12), r"row 1 .* past int64"),
+    ],
+    ids=["ragged", "above-int64", "wraps-int64"],
+)
+def test_client_grids_are_refused_with_400(item, match):
+    with pytest.raises(EncoderInputError, match=match):
+        ADMISSION.admit_json(EncodeRequest.model_validate({"items": [item]}))
+
+
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        (_pixel_item([[True, 2, 2]]), r"grid_thws\.0\.0\n  Input should be a valid integer"),
+        (_pixel_item([[1.0, 2, 2]]), r"grid_thws\.0\.0\n  Input should be a valid integer"),
+        (_pixel_item([[1, 2, 2]], 0, shape_rows=2**62), "less than or equal to 2147483647"),
+    ],
+    ids=["bool", "float", "rows-wrap"],
+)
+def test_schema_refuses_non_integers_and_huge_shapes(item, match):
+    """422: a bool or float is no grid value; 2**62 rows would wrap the byte count."""
+    with pytest.raises(ValidationError, match=match):
+        EncodeRequest.model_validate({"items": [item]})
+
+
+def test_renamed_file_is_judged_by_its_bytes():
+    eps = base64.b64encode(b"%!PS-Adobe-3.0 EPSF-3.0\n").decode()
+    with pytest.raises(UnsupportedFormatError, match="item 0: image format PostScript/EPS"):
+        _admit(f"data:image/png;base64,{eps}")
 
 
 def _admit(image: str):
