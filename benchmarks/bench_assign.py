@@ -1,4 +1,4 @@
-"""Assignment quality (issue 5, item 3): makespan over its lower bound.
+"""Assignment quality: makespan over its lower bound.
 
     python -m benchmarks.bench_assign [--quick]
 

@@ -1,4 +1,4 @@
-"""Load test on loopback: nothing lost, nothing wrong, no unexpected 5xx (issue 6).
+"""Load test on loopback: nothing lost, nothing wrong, no unexpected 5xx.
 
     python -m benchmarks.bench_load [--clients 16] [--seconds 60] [--dp 2] [--url URL]
 

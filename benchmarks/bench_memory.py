@@ -1,4 +1,4 @@
-"""Peak resident memory of one rank's encoder (issue 5, item 7).
+"""Peak resident memory of one rank's encoder.
 
     python -m benchmarks.bench_memory [--quick]
 

@@ -1,4 +1,4 @@
-"""The served path (issue 5, items 1, 2, 4, 5): real Ray Serve over HTTP on this machine.
+"""The served path: real Ray Serve over HTTP on this machine.
 
     python -m benchmarks.bench_serve [--quick]
 

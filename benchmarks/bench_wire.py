@@ -1,4 +1,4 @@
-"""Zero-copy response assembly (issue 5): time per MB and bytes allocated per payload byte.
+"""Zero-copy response assembly: time per MB and bytes allocated per payload byte.
 
     python -m benchmarks.bench_wire [--quick]
 

@@ -155,9 +155,8 @@ class Admission:
 
     def _split(self, entry: ImageItem, index: int) -> list[EncoderItem]:
         assert entry.pixel_values is not None and entry.grid_thws is not None
-        patch, merge = self.vision.patch_size, self.vision.merge_kernel_size[0]
-        pixels = _decode_pixel_values(entry, patch, index)
-        grids = check_grid_rows(entry.grid_thws, patch, merge, index)
+        pixels = _decode_pixel_values(entry, self.vision.patch_size, index)
+        grids = check_grid_rows(entry.grid_thws, self.vision.merge_kernel_size, index)
         split = split_pixel_values(pixels, grids, index)
         for item in split:  # own storage each: a view would ship the whole array to every rank
             item.pixel_values = item.pixel_values.clone()

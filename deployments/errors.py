@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
-from kimi_encoder.items import EncoderInputError, LimitExceededError
+from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 from .admission import FormError, UnsupportedMediaTypeError
 from .fanout import NoRankAvailableError, RequestTimeoutError
@@ -33,6 +33,7 @@ ERRORS: dict[type[BaseException], tuple[int, str]] = {
     UnauthorizedError: (401, "unauthorized"),
     LimitExceededError: (413, "limit_exceeded"),
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
+    UnsupportedFormatError: (415, "unsupported_media_type"),
     FormError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
     NoRankAvailableError: (503, "unavailable"),

@@ -41,6 +41,9 @@ from safetensors.numpy import save_file
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
 _ITEM = re.compile(r"^item (\d+):")
+# Statuses that blame the request's content (an image), not the request or the server:
+# invalid (400), over a limit (413), a format the server does not read (415).
+ITEM_STATUSES = (400, 413, 415)
 
 
 @dataclass(frozen=True)
@@ -388,12 +391,12 @@ def _encode_isolating(
             results = client.encode(data)
         except EncodeError as exc:
             culprit = exc.item
-            if exc.status in (400, 413) and culprit is not None and culprit < len(readable):
+            if exc.status in ITEM_STATUSES and culprit is not None and culprit < len(readable):
                 failed += _fail(report, lock, readable[culprit], exc.message)
                 rest = readable[:culprit] + readable[culprit + 1 :]
                 if rest:
                     todo.append(rest)
-            elif exc.status in (400, 413) and len(readable) > 1:  # not named: bisect
+            elif exc.status in ITEM_STATUSES and len(readable) > 1:  # not named: bisect
                 half = len(readable) // 2
                 todo += [readable[half:], readable[:half]]
             else:

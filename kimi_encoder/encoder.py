@@ -142,7 +142,7 @@ class VisionEncoder:
             return []
         grids = [item.grid for item in items]
         features = self.model(torch.cat(list(pixels)), grids)
-        counts = [item.num_tokens(self.vision.merge_kernel_size[0]) for item in items]
+        counts = [self.vision.num_tokens(item.grid) for item in items]
         assert features.shape[0] == sum(counts), (tuple(features.shape), counts)
         return list(features.split(counts))
 

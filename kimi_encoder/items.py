@@ -178,9 +178,6 @@ class EncoderItem:
     def num_patches(self) -> int:
         return int(self.grid_thws.prod(dim=1).sum())
 
-    def num_tokens(self, merge_kernel_size: int) -> int:
-        t, h, w = self.grid
-        return (h // merge_kernel_size) * (w // merge_kernel_size)
 
 
 def check_modality(modality: str | Modality, index: int | None = None) -> Modality:
@@ -274,7 +271,7 @@ INT64_MAX = 2**63 - 1
 
 
 def check_grid_rows(
-    grid_thws: Any, patch_size: int, merge: int, index: int | None = None
+    grid_thws: Any, merge_kernel_size: tuple[int, int], index: int | None = None
 ) -> torch.Tensor:
     """Validate a client-supplied (k, 3) grid table of images; the table as int64.
 
@@ -292,6 +289,7 @@ def check_grid_rows(
         raise EncoderInputError(
             f"grid_thws must be a non-empty list of [t, h, w] rows, got {_clip(rows)}.", index
         )
+    kh, kw = merge_kernel_size
     checked, total = [], 0
     for r, row in enumerate(rows):
         if len(row) != 3:
@@ -313,10 +311,10 @@ def check_grid_rows(
                 "(video is not served).",
                 index,
             )
-        if h < merge or w < merge or h % merge or w % merge:
+        if h < kh or w < kw or h % kh or w % kw:
             raise EncoderInputError(
                 f"grid_thws row {r} is [{t}, {_clip(h)}, {_clip(w)}]; h and w must be positive "
-                f"multiples of the merge kernel {merge}.",
+                f"multiples of the merge kernel {kh}x{kw}.",
                 index,
             )
         total += t * h * w
@@ -357,12 +355,3 @@ def split_pixel_values(
         for i, rows in enumerate(pixel_values.split(sizes))
     ]
 
-
-def split_item(item: EncoderItem, index: int | None = None) -> list[EncoderItem]:
-    """One item per image. Raw-image items already carry one grid."""
-    check_modality(item.modality, index)
-    if item.pixel_values is not None:
-        return split_pixel_values(item.pixel_values, item.grid_thws, index)
-    if item.grid_thws.shape[0] != 1:
-        raise EncoderInputError(MSG_ONE_GRID, index)
-    return [item]

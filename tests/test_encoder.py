@@ -30,7 +30,7 @@ def test_batching_is_invisible(encoder):
     batched = encoder.encode(items)
     for item, features in zip(items, batched, strict=True):
         (single,) = encoder.encode([item])
-        assert features.shape == single.shape == (item.num_tokens(2), 80)
+        assert features.shape == single.shape == (encoder.vision.num_tokens(item.grid), 80)
         torch.testing.assert_close(features, single, atol=1e-5, rtol=0)
 
 

@@ -14,7 +14,6 @@ from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.items import (
     DeferredPreprocessing,
     EncoderInputError,
-    EncoderItem,
     LimitExceededError,
     Modality,
     UnsupportedFormatError,
@@ -24,7 +23,6 @@ from kimi_encoder.items import (
     plan_image,
     read_image_size,
     resolve_backend,
-    split_item,
     split_pixel_values,
 )
 
@@ -100,12 +98,6 @@ def test_split_row_count_mismatch():
         split_pixel_values(torch.randn(13, 3, 14, 14), grids, index=0)
 
 
-def test_split_item_refuses_raw_item_with_many_grids():
-    item = EncoderItem(torch.tensor([[1, 2, 2], [1, 2, 2]]), image=b"x")
-    with pytest.raises(EncoderInputError, match="one vision grid per MultimodalDataItem"):
-        split_item(item)
-
-
 @pytest.mark.parametrize(
     "grids, match",
     [
@@ -133,7 +125,7 @@ def test_split_item_refuses_raw_item_with_many_grids():
 )  # fmt: skip
 def test_bad_grid_rows(grids, match):
     with pytest.raises(EncoderInputError, match="item 4: grid_thws " + match):
-        check_grid_rows(grids, 14, 2, index=4)  # every message names the item and the row
+        check_grid_rows(grids, (2, 2), index=4)  # every message names the item and the row
 
 
 @pytest.mark.parametrize(
@@ -142,7 +134,7 @@ def test_bad_grid_rows(grids, match):
     ids=["list", "tuple", "numpy"],
 )
 def test_good_grid_rows_become_int64(grids):
-    checked = check_grid_rows(grids, 14, 2)
+    checked = check_grid_rows(grids, (2, 2))
     assert checked.dtype == torch.int64 and checked.tolist() == [[1, 2, 4], [1, 6, 2]]
 
 

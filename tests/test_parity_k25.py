@@ -176,7 +176,7 @@ def test_features_match_transformers(case: Case, encoder, reference, record_prop
         ours = encoder.model(pixels, [item.grid])
         (theirs,) = ref.reference_features(reference, pixels, grid)
         (encoded,) = encoder.encode([item])
-    assert ours.shape == theirs.shape == (item.num_tokens(2), VISION.text_hidden_size)
+    assert ours.shape == theirs.shape == (VISION.num_tokens(item.grid), VISION.text_hidden_size)
     diff = (ours - theirs).abs().max().item()
     record_property("max_abs_feature_diff", diff)
     print(f"{case.id}: grid {item.grid} features max|ours - transformers| = {diff:.3e}")

@@ -85,7 +85,7 @@ MATRIX = [
     ("truncated-png", image(PNG[: len(PNG) // 2]), 400, ["item 1: cannot decode the image"]),
     ("truncated-jpeg", image(JPEG[: len(JPEG) // 2]), 400, ["item 1: cannot decode the image"]),
     ("truncated-webp", image(WEBP[: len(WEBP) // 2]), 400, ["item 1: cannot read the image"]),
-    ("random-bytes", image(RANDOM), 400, ["item 1: cannot read the image header"]),
+    ("random-bytes", image(RANDOM), 415, ["item 1: cannot read the image header", "unknown"]),
     ("zero-bytes", image(b""), 400, ["item 1: image data is empty (0 bytes)"]),
     (
         "non-base64",
@@ -169,7 +169,7 @@ MATRIX = [
         400,
         ["Unsupported Kimi-K3 deferred preprocessing backend: tpu", "allowed: gpu, cpu"],
     ),
-    ("multipart-random", multipart(GOOD, RANDOM), 400, ["item 1: cannot read the image header"]),
+    ("multipart-random", multipart(GOOD, RANDOM), 415, ["item 1: cannot read the image header"]),
     ("multipart-empty-file", multipart(GOOD, b""), 400, ["item 1: image data is empty"]),
     (
         "multipart-truncated",

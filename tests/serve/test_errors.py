@@ -24,7 +24,7 @@ from deployments.app import bind_app
 from deployments.errors import ERRORS
 from deployments.fanout import NoRankAvailableError, RequestTimeoutError
 from deployments.security import UnauthorizedError
-from kimi_encoder.items import EncoderInputError, LimitExceededError
+from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 pytestmark = pytest.mark.serve
 
@@ -129,6 +129,9 @@ CASES = {
     ),
     UnsupportedMediaTypeError: lambda url, board: post(
         url, data=b"x", headers={**AUTH, "content-type": "text/plain"}
+    ),
+    UnsupportedFormatError: lambda url, board: post(
+        url, json={"items": [{"type": "image", "image": b64(b"%!PS-Adobe-3.0 EPSF-3.0\n")}]}
     ),
     FormError: lambda url, board: post(url, files={"picture": ("a.png", IMAGE)}),
     ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
