@@ -94,6 +94,13 @@ def image_bytes(mode: str, size: tuple[int, int], seed: int = 0, fmt: str = "PNG
     return encode_image(make_image(mode, size, seed), fmt)
 
 
+def gray_png(raw: bytes, size: tuple[int, int]) -> bytes:
+    """A grayscale PNG of ``size`` (width, height) holding ``raw`` (width*height bytes)."""
+    buf = io.BytesIO()
+    Image.frombytes("L", size, raw).save(buf, format="PNG")
+    return buf.getvalue()
+
+
 def png_claiming(width: int, height: int) -> bytes:
     """A tiny PNG whose IHDR claims ``width x height`` RGB pixels (a decompression bomb's header).
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import io
 
 import numpy as np
 import pytest
 import torch
-from images import image_bytes
-from PIL import Image
+from images import gray_png, image_bytes
 
 from deployments.batcher import BatchingConfig, RankBatcher
 from kimi_encoder.encoder import VisionEncoder
@@ -89,16 +87,10 @@ def test_cache_hit_skips_preprocessing_and_forward(encoder, images):
     np.testing.assert_array_equal(first, again)
 
 
-def _gray_png(raw: bytes, size: tuple[int, int]) -> bytes:
-    buf = io.BytesIO()
-    Image.frombytes("L", size, raw).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def test_transposed_image_and_background_change_miss(encoder, images):
     b = batcher(encoder, cache_bytes=1 << 20)
     raw = np.random.default_rng(0).integers(0, 256, 30 * 150, dtype=np.uint8).tobytes()
-    tall, wide = (encoder.plan(_gray_png(raw, size)) for size in ((30, 150), (150, 30)))
+    tall, wide = (encoder.plan(gray_png(raw, size)) for size in ((30, 150), (150, 30)))
     (f_tall, f_wide), _ = asyncio.run(b.encode([tall, wide], "c"))
     assert b.counters.cache_hits == 0 and b.counters.forwarded == 2
     assert f_tall.shape != f_wide.shape or not np.array_equal(f_tall, f_wide)

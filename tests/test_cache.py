@@ -1,12 +1,11 @@
 """Feature cache keys cover everything that changes features; the LRU is bounded in bytes."""
 
 import dataclasses
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
+from images import gray_png
 
 from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
 from kimi_encoder.config import get_preset
@@ -16,12 +15,6 @@ from kimi_encoder.items import EncoderItem, plan_image
 TINY = get_preset("tiny").preprocess
 
 
-def _png(raw: bytes, size) -> bytes:
-    buf = io.BytesIO()
-    Image.frombytes("L", size, raw).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 @pytest.fixture(scope="module")
 def encoder():
     return VisionEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
@@ -29,8 +22,8 @@ def encoder():
 
 def test_transposed_shapes_same_bytes_differ(encoder):
     raw = np.random.default_rng(0).integers(0, 256, 30 * 150, dtype=np.uint8).tobytes()
-    a = plan_image(_png(raw, (30, 150)), TINY, "cpu")
-    b = plan_image(_png(raw, (150, 30)), TINY, "cpu")
+    a = plan_image(gray_png(raw, (30, 150)), TINY, "cpu")
+    b = plan_image(gray_png(raw, (150, 30)), TINY, "cpu")
     assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
     fa, fb = encoder.encode([a, b])
     assert fa.shape != fb.shape or not torch.equal(fa, fb)
@@ -55,13 +48,13 @@ def test_pixel_tensor_shape_is_part_of_key():
     ids=["backend", "background", "no-background", "mean", "fill-stage"],
 )
 def test_preprocessing_config_changes_key(change):
-    item = plan_image(_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
+    item = plan_image(gray_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
     other = dataclasses.replace(item, deferred=dataclasses.replace(item.deferred, **change))
     assert item_key(item, "m", "float32") != item_key(other, "m", "float32")
 
 
 def test_model_and_dtype_change_key():
-    item = plan_image(_png(bytes(1024), (32, 32)), TINY, "cpu")
+    item = plan_image(gray_png(bytes(1024), (32, 32)), TINY, "cpu")
     keys = {item_key(item, m, d) for m in ("a", "b") for d in ("float32", "bfloat16")}
     assert len(keys) == 4
     assert all(len(k) == 64 for k in keys)  # full SHA-256

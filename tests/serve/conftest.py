@@ -11,8 +11,9 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import ray
+from images import image_bytes
 from ray import serve
-from serve_helpers import IMAGE_SPECS, app_args, free_port, make_image
+from serve_helpers import IMAGE_SPECS, app_args, free_port
 
 from deployments.app import bind_app
 from kimi_encoder.encoder import VisionEncoder
@@ -20,7 +21,7 @@ from kimi_encoder.encoder import VisionEncoder
 
 @pytest.fixture(scope="session")
 def images() -> list[bytes]:
-    return [make_image(*spec) for spec in IMAGE_SPECS]
+    return [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS]
 
 
 @pytest.fixture(scope="session")

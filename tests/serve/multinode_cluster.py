@@ -30,9 +30,10 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
 from controlled import Switchboard, controlled_factory  # noqa: E402
-from serve_helpers import app_args, b64, decode_features, make_image  # noqa: E402
+from images import image_bytes  # noqa: E402
+from serve_helpers import app_args, b64, decode_features  # noqa: E402
 
 from deployments.app import bind_app  # noqa: E402
 from kimi_encoder.encoder import VisionEncoder  # noqa: E402
@@ -88,7 +89,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}/{APP}"
         ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
         out["rank_nodes"] = [r["node_id"] for r in ranks]
-        data = [make_image(90 + 10 * i, 60 + 8 * i, "RGB", 9000 + i) for i in range(4)]
+        data = [image_bytes("RGB", (90 + 10 * i, 60 + 8 * i), 9000 + i) for i in range(4)]
         out["before"] = check(post(url, data), data, reference)
 
         victim = workers[out["workers"].index(out["rank_nodes"][1])]
@@ -102,7 +103,9 @@ def main() -> None:
         out["during_s"] = round(time.monotonic() - removed_at, 2)
         after = []
         for k in range(3):
-            batch = [make_image(70 + 6 * i, 50 + 4 * i, "RGB", 9100 + 10 * k + i) for i in range(3)]
+            batch = [
+                image_bytes("RGB", (70 + 6 * i, 50 + 4 * i), 9100 + 10 * k + i) for i in range(3)
+            ]
             after.append(check(post(url, batch), batch, reference))
         out["after"] = after
         out["after_s"] = round(time.monotonic() - removed_at, 2)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import base64
-import io
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import requests
 import torch
-from PIL import Image
 
 from deployments.args import AppArgs
 
@@ -25,17 +24,17 @@ LIMITS = dict(
     max_patches_per_request=4096,
 )
 
-# (width, height, kind, seed): mixed sizes, one far larger than the rest, RGBA, palette, JPEG.
+# (mode, size, seed, format): mixed sizes, one far larger than the rest, RGBA, palette, JPEG.
 IMAGE_SPECS = [
-    (64, 48, "RGB", 1),
-    (700, 520, "RGB", 2),  # the big one: scaled down to the tiny preset's patch budget
-    (40, 40, "RGBA", 3),
-    (100, 60, "P", 4),
-    (90, 45, "JPEG", 5),
-    (128, 96, "RGB", 6),
-    (30, 70, "RGBA", 7),
-    (150, 110, "L", 8),
-    (56, 56, "P", 9),
+    ("RGB", (64, 48), 1, "PNG"),
+    ("RGB", (700, 520), 2, "PNG"),  # the big one: scaled down to the tiny preset's patch budget
+    ("RGBA", (40, 40), 3, "PNG"),
+    ("P", (100, 60), 4, "PNG"),
+    ("RGB", (90, 45), 5, "JPEG"),
+    ("RGB", (128, 96), 6, "PNG"),
+    ("RGBA", (30, 70), 7, "PNG"),
+    ("L", (150, 110), 8, "PNG"),
+    ("P", (56, 56), 9, "PNG"),
 ]
 
 
@@ -60,25 +59,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def make_image(width: int, height: int, kind: str, seed: int) -> bytes:
-    """Encoded file of a seeded image: smooth gradients plus noise."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx / width, yy / height, (xx + yy) % 17 / 17, (xx // 5 + yy // 7) % 2], -1)
-    pixels = (np.clip(0.8 * base + 0.2 * rng.random((height, width, 4)), 0, 1) * 255).astype(
-        np.uint8
-    )
-    rgba = Image.fromarray(pixels, "RGBA")
-    out = io.BytesIO()
-    if kind == "JPEG":
-        rgba.convert("RGB").save(out, "JPEG", quality=90)
-    elif kind == "P":
-        rgba.convert("RGB").convert("P", palette=Image.Palette.ADAPTIVE, colors=64).save(out, "PNG")
-    else:
-        rgba.convert(kind).save(out, "PNG")
-    return out.getvalue()
 
 
 def b64(data: bytes) -> str:
@@ -108,3 +88,19 @@ def encode(url: str, items: list[dict], **extra) -> requests.Response:
 def rank_calls(url: str) -> list[int]:
     info = requests.get(f"{url}/v1/info", timeout=30).json()
     return [r["calls"] for r in info["ranks"]]
+
+
+def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, int]:
+    """Rank pids from /v1/info, plus the ingress replica's pid from its process title."""
+    info = requests.get(f"{url}/v1/info", headers=headers, timeout=30).json()
+    pids = {f"rank_{r['rank']}": r["pid"] for r in info["ranks"]}
+    assert all(r["state"] == "ready" for r in info["ranks"]), info["ranks"]
+    title = f"ServeReplica:{app}:EncodeServer".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and title in (proc / "cmdline").read_bytes():
+                pids["ingress"] = int(proc.name)
+        except OSError:  # a process that exited while we looked
+            pass
+    assert "ingress" in pids, "ingress replica process not found"
+    return pids

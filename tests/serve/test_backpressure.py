@@ -12,8 +12,9 @@ import pytest
 import ray
 import requests
 from controlled import Switchboard, controlled_factory
+from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, make_image, one_thread
+from serve_helpers import app_args, b64, decode_features, one_thread
 
 from deployments.app import bind_app
 
@@ -25,7 +26,7 @@ BURST = 16
 
 
 def body(seed: int) -> list[bytes]:
-    return [make_image(96, 64, "RGB", 7000 + seed), make_image(64, 96, "RGB", 7100 + seed)]
+    return [image_bytes("RGB", (96, 64), 7000 + seed), image_bytes("RGB", (64, 96), 7100 + seed)]
 
 
 def post(url: str, data: list[bytes], timeout: float = 60) -> requests.Response:

@@ -18,7 +18,7 @@ import pytest
 import requests
 from images import MODES, image_bytes, make_image, png_claiming
 from PIL import Image
-from serve_helpers import LIMITS, b64, decode_features, encode, one_thread, rank_calls
+from serve_helpers import LIMITS, b64, decode_features, encode, one_thread, rank_calls, replica_pids
 
 from kimi_encoder.items import MSG_IMAGE_ONLY, MSG_LENGTH
 
@@ -320,22 +320,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for pid {pid}")
-
-
-def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, int]:
-    """Rank pids from /v1/info, plus the ingress replica's pid from its process title."""
-    info = requests.get(f"{url}/v1/info", headers=headers, timeout=30).json()
-    pids = {f"rank_{r['rank']}": r["pid"] for r in info["ranks"]}
-    assert all(r["state"] == "ready" for r in info["ranks"]), info["ranks"]
-    title = f"ServeReplica:{app}:EncodeServer".encode()
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and title in (proc / "cmdline").read_bytes():
-                pids["ingress"] = int(proc.name)
-        except OSError:  # a process that exited while we looked
-            pass
-    assert "ingress" in pids, "ingress replica process not found"
-    return pids
 
 
 # Memory: RSS of each replica process over REPEATS runs of the matrix, after WARMUP runs.

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
+from images import image_bytes
 from safetensors import safe_open
-from serve_helpers import b64, decode_features, encode, make_image
+from serve_helpers import b64, decode_features, encode
 
 pytestmark = pytest.mark.serve
 
@@ -37,7 +38,8 @@ def write_images(root: Path, count: int, seed: int = 0) -> list[Path]:
         kind = KINDS[i % len(KINDS)]
         path = root / ("a" if i % 2 else "b") / f"img_{i:03d}.{'jpg' if kind == 'JPEG' else 'png'}"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(make_image(width, height, kind, seed * 1000 + i))
+        mode, fmt = ("RGB", "JPEG") if kind == "JPEG" else (kind, "PNG")
+        path.write_bytes(image_bytes(mode, (width, height), seed * 1000 + i, fmt=fmt))
         paths.append(path)
     return paths
 
@@ -62,13 +64,13 @@ def test_200_files_one_corrupt(url, tmp_path):
     paths = write_images(root, 195)
     extra = tmp_path / "extra"  # passed as a glob and as a plain file
     extra.mkdir()
-    (extra / "x1.png").write_bytes(make_image(70, 30, "RGB", 9001))
-    (extra / "x2.png").write_bytes(make_image(33, 81, "RGBA", 9002))
+    (extra / "x1.png").write_bytes(image_bytes("RGB", (70, 30), 9001))
+    (extra / "x2.png").write_bytes(image_bytes("RGBA", (33, 81), 9002))
     (root / "b" / "copy_of_img_010.png").write_bytes(paths[10].read_bytes())  # same bytes
     corrupt = root / "a" / "corrupt.png"
     corrupt.write_bytes(os.urandom(2000))
     single = tmp_path / "single.jpg"
-    single.write_bytes(make_image(58, 44, "JPEG", 9003))
+    single.write_bytes(image_bytes("RGB", (58, 44), 9003, fmt="JPEG"))
     inputs = [str(root), str(extra / "*.png"), str(single)]
     good = sorted([*paths, *extra.glob("*.png"), root / "b" / "copy_of_img_010.png", single])
     assert len(good) + 1 == 200

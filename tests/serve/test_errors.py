@@ -15,9 +15,10 @@ import pytest
 import ray
 import requests
 from controlled import Switchboard, controlled_factory
+from images import image_bytes
 from pydantic import ValidationError
 from ray import serve
-from serve_helpers import app_args, b64, make_image
+from serve_helpers import app_args, b64
 
 from deployments.admission import FormError, UnsupportedMediaTypeError
 from deployments.app import bind_app
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.serve
 APP = "errors"
 KEY = "table-walk-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-IMAGE = make_image(64, 48, "RGB", 11)
+IMAGE = image_bytes("RGB", (64, 48), 11)
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,9 @@ import pytest
 import ray
 import requests
 from controlled import Switchboard, controlled_factory
+from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, make_image, one_thread
+from serve_helpers import app_args, b64, decode_features, one_thread
 
 from deployments.app import bind_app, rank_name
 
@@ -43,7 +44,7 @@ HEALTH_REPLACE_BOUND_S = 30  # failing health check -> a new process serves the 
 
 def images(count: int, seed: int) -> list[bytes]:
     sizes = [(96, 64), (64, 48), (120, 90), (80, 56), (56, 84), (70, 70)]
-    return [make_image(*sizes[i % len(sizes)], "RGB", 5000 + seed + i) for i in range(count)]
+    return [image_bytes("RGB", sizes[i % len(sizes)], 5000 + seed + i) for i in range(count)]
 
 
 def post(url: str, data: list[bytes], timeout: float = 60) -> requests.Response:
@@ -233,7 +234,7 @@ def test_cancelled_and_timed_out_calls_release_their_leases(faults_url, board):
     for _ in range(3):  # the client gives up: Serve cancels the ingress and the rank calls
         with pytest.raises(requests.exceptions.ReadTimeout):
             post(faults_url, images(4, seed=40), timeout=0.5)
-    bad = make_image(64, 48, "RGB", 1)
+    bad = image_bytes("RGB", (64, 48), 1)
     truncated = bad[: len(bad) // 2]  # a valid header, a cut body: the rank's decode fails
     release(board, 0, 1)
     before = info(faults_url)["failover"]

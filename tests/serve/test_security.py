@@ -14,9 +14,11 @@ import pytest
 import ray
 import requests
 import yaml
+from images import image_bytes
 from PIL import Image
-from serve_helpers import b64, encode
-from test_bad_inputs import GOOD, replica_pids
+from serve_helpers import b64, encode, replica_pids
+
+GOOD = image_bytes("RGB", (64, 48), seed=1)
 
 pytestmark = pytest.mark.serve
 

@@ -1,7 +1,9 @@
 """Throughput features over real HTTP: cross-request batching, the feature cache and its
 routing, fitted costs, load-aware assignment with two ingress replicas, thread count.
 
-Correctness only (never timings): counters in /v1/info prove what a rank did.
+Correctness only (never timings): counters in /v1/info prove what a rank did, and
+where work must overlap a test holds a rank's forward (controlled.py) instead of
+relying on a time window.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import time
 
 import numpy as np
 import pytest
+import ray
 import requests
+from controlled import Switchboard, controlled_factory
+from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, encode, make_image
+from serve_helpers import app_args, b64, decode_features, encode
 
 from deployments.app import bind_app
 from kimi_encoder.assign import assign_owners
@@ -36,16 +41,22 @@ def items_of(*images: bytes) -> list[dict]:
 
 def fresh(seed: int, width: int = 80, height: int = 60) -> bytes:
     """An image no other test sends (seeds from 1000 up)."""
-    return make_image(width, height, "RGB", 1000 + seed)
+    return image_bytes("RGB", (width, height), 1000 + seed)
 
 
 @pytest.fixture(scope="module")
-def apps(serve_url):
-    """Two apps of this module, removed when it ends (one rank reserves both logical CPUs)."""
+def board(serve_url):
+    return Switchboard.remote()
+
+
+@pytest.fixture(scope="module")
+def apps(serve_url, board):
+    """Two apps of this module whose ranks the test can hold (controlled.py), removed when
+    it ends (one rank reserves both logical CPUs)."""
     created = []
 
     def run(name: str, args) -> str:
-        serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
+        serve.run(bind_app(args, controlled_factory(board)), name=name, route_prefix=f"/{name}")
         created.append(name)
         return f"{serve_url}/{name}"
 
@@ -56,29 +67,30 @@ def apps(serve_url):
 
 @pytest.fixture(scope="module")
 def batching_url(apps) -> str:
-    """dp 1, two CPUs for the rank, a 400 ms batch window, no cache."""
-    args = app_args(
-        dp_size=1,
-        rank_actor_options={"num_cpus": 2},
-        max_batch_wait_ms=400,
-        feature_cache_bytes=0,
-    )
+    """dp 1, two CPUs for the rank, no cache."""
+    args = app_args(dp_size=1, rank_actor_options={"num_cpus": 2}, feature_cache_bytes=0)
     return apps("batching", args)
 
 
 @pytest.fixture(scope="module")
 def two_ingress_url(apps) -> str:
-    """dp 2 behind two ingress replicas; a 1.5 s batch window keeps work outstanding."""
+    """dp 2 behind two ingress replicas, owners by patch count, loads polled per request."""
     args = app_args(
         dp_size=2,
         ingress_replicas=2,
-        max_batch_wait_ms=1500,
-        max_batch_patches=1 << 20,
         feature_cache_bytes=0,
         cost_model="patches",
         load_report_interval_ms=0,
     )
     return apps("two_ingress", args)
+
+
+def wait_outstanding(url: str, rank: int, images: int) -> None:
+    """Until ``rank`` reports ``images`` images queued or running (its load report)."""
+    deadline = time.monotonic() + 30
+    while ranks(url)[rank]["outstanding"]["images"] != images:
+        assert time.monotonic() < deadline, ranks(url)[rank]["outstanding"]
+        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -87,16 +99,24 @@ def cache_url(deploy) -> str:
     return deploy(2, "cached", feature_cache_bytes=64 << 20, cost_model="fitted")
 
 
-def test_concurrent_requests_are_batched_and_match_unbatched(batching_url, reference):
+def test_concurrent_requests_are_batched_and_match_unbatched(batching_url, board, reference):
+    """Four requests that queue behind a running forward share the next one."""
     images = [fresh(i, 60 + 10 * i, 50 + 5 * i) for i in range(4)]
     before = ranks(batching_url)[0]
-    with cf.ThreadPoolExecutor(4) as pool:
-        responses = list(pool.map(lambda b: encode(batching_url, items_of(b)), images))
+    ray.get(board.set.remote(0, "hold"))
+    with cf.ThreadPoolExecutor(5) as pool:
+        blocker = pool.submit(encode, batching_url, items_of(fresh(9, 50, 40)))
+        ray.get(board.wait_held.remote(0), timeout=30)
+        pending = [pool.submit(encode, batching_url, items_of(b)) for b in images]
+        wait_outstanding(batching_url, 0, 5)  # the held one and the four queued behind it
+        ray.get(board.set.remote(0, "run"))
+        responses = [f.result() for f in pending]
+        assert blocker.result().status_code == 200
     after = ranks(batching_url)[0]
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
-    assert after["forwarded"] - before["forwarded"] == 4
-    assert after["batches"] - before["batches"] < 4  # at least two requests shared a forward
-    assert after["max_batch_calls"] >= 2
+    assert after["forwarded"] - before["forwarded"] == 5
+    assert after["batches"] - before["batches"] == 2  # the blocker's, then all four together
+    assert after["max_batch_calls"] >= 4
     for data, response in zip(images, responses, strict=True):
         (item,) = response.json()["items"]
         want = reference.encode([reference.plan(data)])[0].numpy()
@@ -149,39 +169,29 @@ def test_duplicates_in_one_request_are_encoded_once(cache_url):
     assert len({item["owner_rank"] for item in body["items"]}) == 1
 
 
-def test_transposed_pixels_and_other_backend_miss(cache_url):
-    raw = np.random.default_rng(5).integers(0, 256, (150, 30), dtype=np.uint8)
-    import io
-
-    from PIL import Image
-
-    def png(array: np.ndarray) -> bytes:
-        out = io.BytesIO()
-        Image.fromarray(array, "L").save(out, "PNG")
-        return out.getvalue()
-
-    tall, wide = png(raw), png(raw.reshape(30, 150))  # the same bytes, other shape
+def test_other_backend_misses_the_cache(cache_url):
+    """The backend is part of the cache key (cpu and gpu pixels may differ on a GPU); the
+    grid stays the same. Keys of transposed and re-backgrounded images: test_cache.py."""
+    image = fresh(50, 150, 30)
     before = ranks(cache_url)
-    body = encode(cache_url, items_of(tall, wide)).json()["items"]
-    gpu = encode(cache_url, items_of(tall), backend="gpu").json()["items"]
+    cpu = encode(cache_url, items_of(image)).json()["items"]
+    gpu = encode(cache_url, items_of(image), backend="gpu").json()["items"]
     after = ranks(cache_url)
     hits = sum(a["cache_hits"] - b["cache_hits"] for a, b in zip(after, before, strict=True))
-    assert hits == 0
-    assert body[0]["grid_thw"] != body[1]["grid_thw"] and body[0]["data"] != body[1]["data"]
-    assert gpu[0]["grid_thw"] == body[0]["grid_thw"]
+    assert hits == 0 and gpu[0]["grid_thw"] == cpu[0]["grid_thw"]
 
 
-def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url):
+def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url, board):
     big = fresh(40, 700, 520)
     smalls = [fresh(41 + i, 60, 40) for i in range(4)]
+    ray.get(board.set.remote(0, "hold"))  # the big image stays outstanding on rank 0
     with cf.ThreadPoolExecutor(5) as pool:
         first = pool.submit(encode, two_ingress_url, items_of(big))
-        deadline = time.monotonic() + 10
-        while ranks(two_ingress_url)[0]["outstanding"]["images"] == 0:  # reported while queued
-            assert time.monotonic() < deadline, "rank 0 never reported the big image"
-            time.sleep(0.02)
+        ray.get(board.wait_held.remote(0), timeout=30)
         later = [pool.submit(encode, two_ingress_url, items_of(s)) for s in smalls]
-        answers = [first.result()] + [f.result() for f in later]
+        answers = [f.result() for f in later]  # answered by rank 1 while rank 0 holds
+        ray.get(board.set.remote(0, "run"))
+        answers.insert(0, first.result())
     assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
     owners = [a.json()["items"][0]["owner_rank"] for a in answers]
     # Patch counts alone would put every single-image request on idle rank 0; whichever
