@@ -34,10 +34,8 @@ def wait_ready(url: str, process: subprocess.Popen, log: Path) -> float:
     pytest.fail(f"not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
 
 
-def test_serve_run_config(tmp_path, images):
-    port = free_port()
-    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
-    config["http_options"]["port"] = port
+def start_serve_run(tmp_path: Path, config: dict) -> tuple[subprocess.Popen, Path]:
+    """``serve run`` of ``config`` (written to a file) in a Ray cluster of its own."""
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = tmp_path / "serve.log"
@@ -53,6 +51,45 @@ def test_serve_run_config(tmp_path, images):
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    return process, log
+
+
+def shipped_config(port: int) -> dict:
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    config["http_options"]["port"] = port
+    return config
+
+
+def test_config_giving_one_rank_other_resources_is_refused(tmp_path):
+    """A `deployments:` entry that changes one rank's ray_actor_options disagrees with
+    rank_actor_options (which set the device and threads): that rank refuses to start,
+    naming both."""
+    config = shipped_config(free_port())
+    override = {"name": "EncoderRank_1", "ray_actor_options": {"num_cpus": 0.5}}
+    config["applications"][0]["deployments"] = [override]
+    process, log = start_serve_run(tmp_path, config)
+    want = (
+        "rank 1 was started with Ray resources {'CPU': 0.5}, but rank_actor_options asks "
+        "for {'CPU': 0.0, 'GPU': 0.0}"
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while want not in log.read_text(errors="replace"):
+            assert process.poll() is None or want in log.read_text(), log.read_text()[-4000:]
+            assert time.monotonic() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
+
+
+def test_serve_run_config(tmp_path, images):
+    port = free_port()
+    process, log = start_serve_run(tmp_path, shipped_config(port))
     url = f"http://127.0.0.1:{port}"
     try:
         startup_s = wait_ready(url, process, log)
