@@ -17,8 +17,10 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# CONFIG=path runs another Serve config (the README's test points it at a free port).
+CONFIG ?= configs/config.yaml
 serve: $(STAMP)
-	$(VENV)/bin/serve run configs/config.yaml
+	$(VENV)/bin/serve run $(CONFIG)
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)

@@ -1,4 +1,7 @@
-"""End to end as a user runs it: `serve run configs/config.yaml`, curl-like requests, Ctrl-C."""
+"""`serve run` of a config that overrides one rank's resources: refused, naming both.
+
+The shipped config as a user runs it (`make serve`, the README's requests, Ctrl-C) is
+tests/serve/test_readme.py."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from serve_helpers import b64, free_port
+from serve_helpers import free_port
 
 pytestmark = pytest.mark.serve
 
@@ -85,35 +88,3 @@ def test_config_giving_one_rank_other_resources_is_refused(tmp_path):
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             raise
-
-
-def test_serve_run_config(tmp_path, images):
-    port = free_port()
-    process, log = start_serve_run(tmp_path, shipped_config(port))
-    url = f"http://127.0.0.1:{port}"
-    try:
-        startup_s = wait_ready(url, process, log)
-        print(f"\nserve run configs/config.yaml: ready in {startup_s:.1f} s")
-        response = requests.post(
-            f"{url}/v1/encode",
-            json={"items": [{"type": "image", "image": b64(b)} for b in images[:3]]},
-            timeout=120,
-        )
-        assert response.status_code == 200, response.text
-        body = response.json()
-        assert [i["index"] for i in body["items"]] == [0, 1, 2]
-        # The big image (index 1) goes to rank 0, the two small ones to rank 1.
-        assert [i["owner_rank"] for i in body["items"]] == [1, 0, 1]
-        assert body["usage"]["images"] == 3 and body["items"][0]["shape"][1] == 80
-        info = requests.get(f"{url}/v1/info", timeout=30).json()
-        assert info["dp_size"] == 2 and [r["calls"] for r in info["ranks"]] == [1, 1]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            code = process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
-    assert code == 0, log.read_text()[-4000:]
-    with pytest.raises(requests.ConnectionError):
-        requests.get(f"{url}/healthz", timeout=2)
