@@ -195,7 +195,7 @@ def _read_capped(conn, response, url: str, max_bytes: int, deadline: float, inde
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError
-        conn.sock.settimeout(remaining)
+        conn.live_socket.settimeout(remaining)
         chunk = response.read1(_CHUNK)
         if not chunk:
             return b"".join(chunks)
@@ -215,9 +215,13 @@ class _PinnedHTTP(http.client.HTTPConnection):
     def __init__(self, host: str, port: int, address: str, timeout: float):
         super().__init__(host, port, timeout=timeout)
         self._address = address
+        # http.client drops ``sock`` once a response will close the connection.
+        self.live_socket: socket.socket | None = None
 
     def connect(self) -> None:
-        self.sock = socket.create_connection((self._address, self.port), self.timeout)
+        self.sock = self.live_socket = socket.create_connection(
+            (self._address, self.port), self.timeout
+        )
 
 
 class _PinnedHTTPS(_PinnedHTTP):
@@ -226,7 +230,7 @@ class _PinnedHTTPS(_PinnedHTTP):
     def connect(self) -> None:
         super().connect()
         context = ssl.create_default_context()
-        self.sock = context.wrap_socket(self.sock, server_hostname=self.host)
+        self.sock = self.live_socket = context.wrap_socket(self.sock, server_hostname=self.host)
 
 
 def _short(text: str, limit: int = 80) -> str:

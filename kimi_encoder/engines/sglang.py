@@ -43,7 +43,9 @@ MODALITY_IMAGE = 1  # Modality.IMAGE = auto()
 PART_SUFFIX = "_local_part_"  # part req_id = f"{rid}{PART_SUFFIX}{part_idx}"
 
 ENCODE_REQUIRED = ("req_id", "modality", "mm_items", "num_parts", "part_idx")
-ENCODE_OPTIONAL = ("encoder_idx", "encoder_url", "prefill_host", "embedding_port", "time_stats_json")
+ENCODE_OPTIONAL = (
+    "encoder_idx", "encoder_url", "prefill_host", "embedding_port", "time_stats_json"
+)
 RECEIVE_URL_FIELDS = ("req_id", "receive_count", "receive_url", "modality")
 ITEM_KEYS = ("url", "content_hash")
 # Per-image options sglang forwards and its own Kimi-K3 encoder does not apply either.
@@ -329,8 +331,9 @@ class ReceiverRegistry:
         if entry is not None:
             return entry
         now = time.monotonic()
-        for key in [k for k, e in self._entries.items() if not e.waiting and now - e.created > self.ttl_s]:
-            del self._entries[key]
+        for key, old in list(self._entries.items()):
+            if not old.waiting and now - old.created >= self.ttl_s:
+                del self._entries[key]
         if len(self._entries) >= self.max_entries:
             raise RegistryFull(
                 f"{len(self._entries)} parts already wait for receive addresses (max_entries="
@@ -415,7 +418,7 @@ def _dumps(state: dict) -> bytes:
     data = pickle.dumps(_EmbeddingData(state), protocol=3)
     ops = list(pickletools.genops(data))
     out, last = bytearray(), 0
-    for (op, arg, pos), (_, _, end) in zip(ops, ops[1:]):
+    for (op, arg, pos), (_, _, end) in zip(ops, ops[1:], strict=False):
         if op.name != "GLOBAL":
             continue
         module, name = _STAND_INS.get(tuple(arg.split(" ")), tuple(arg.split(" ")))
