@@ -13,8 +13,9 @@ from kimi_encoder.items import EncoderInputError, LimitExceededError
 PNG = image_bytes("RGB", (64, 48), seed=5)
 B64 = base64.b64encode(PNG).decode()
 OFF = FetchPolicy()
-LOOPBACK = FetchPolicy(allow_http=True, allow_private_networks=True, max_bytes=len(PNG) + 10,
-                       timeout_s=5)
+LOOPBACK = FetchPolicy(
+    allow_http=True, allow_private_networks=True, max_bytes=len(PNG) + 10, timeout_s=5
+)
 
 
 @pytest.mark.parametrize(

@@ -92,8 +92,19 @@ def test_media_item_dict_with_hash_and_ignored_options():
         ({"mm_items": [{"url": "u", "fps": 2}]}, r"keys \['fps'\] this encoder does not know"),
         ({"mm_items": [{"url": "u", "content_hash": "md5:1"}]}, "'sha256:' and 64 hex"),
     ],
-    ids=["video", "empty", "part", "bool", "req_id", "port", "stats", "unknown", "item",
-         "item-key", "hash"],
+    ids=[
+        "video",
+        "empty",
+        "part",
+        "bool",
+        "req_id",
+        "port",
+        "stats",
+        "unknown",
+        "item",
+        "item-key",
+        "hash",
+    ],
 )
 def test_encode_request_errors(overrides, match):
     with pytest.raises(EncoderInputError, match=match):
@@ -110,8 +121,12 @@ def test_encode_request_missing_field_and_not_object():
 
 
 def test_receive_url_request():
-    body = {"req_id": "r_local_part_0", "receive_count": 2, "receive_url": "[::1]:5001",
-            "modality": "IMAGE"}
+    body = {
+        "req_id": "r_local_part_0",
+        "receive_count": 2,
+        "receive_url": "[::1]:5001",
+        "modality": "IMAGE",
+    }
     req = ReceiveUrlRequest.from_json(body)
     assert (req.receive_count, tcp_endpoint(req.receive_url)) == (2, "tcp://[::1]:5001")
     with pytest.raises(EncoderInputError, match="must be 'host:port'"):
@@ -141,8 +156,9 @@ class _Unpickler(pickle.Unpickler):
 
 
 def _globals(frame: bytes) -> set:
-    return {tuple(arg.split(" ")) for op, arg, _ in pickletools.genops(frame)
-            if op.name == "GLOBAL"}
+    return {
+        tuple(arg.split(" ")) for op, arg, _ in pickletools.genops(frame) if op.name == "GLOBAL"
+    }
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -156,8 +172,20 @@ def test_embedding_frames(dtype):
     assert _globals(frame0) <= FRAME0_GLOBALS
     meta = _Unpickler(io.BytesIO(frame0)).load()
     assert vars(meta).keys() == {
-        "req_id", "num_parts", "part_idx", "grid_dim", "modality", "embedding", "send_time",
-        "dtype", "shape", "_mr_ptr", "error_msg", "error_code", "original_image_sizes"}
+        "req_id",
+        "num_parts",
+        "part_idx",
+        "grid_dim",
+        "modality",
+        "embedding",
+        "send_time",
+        "dtype",
+        "shape",
+        "_mr_ptr",
+        "error_msg",
+        "error_code",
+        "original_image_sizes",
+    }
     assert (meta.req_id, meta.num_parts, meta.part_idx) == ("9f2c_local_part_1", 2, 1)
     assert meta.modality == ("Modality", MODALITY_IMAGE)
     assert meta.grid_dim.dtype == torch.int64 and torch.equal(meta.grid_dim, grids)
@@ -187,7 +215,11 @@ def test_error_frames():
     (frame0,) = error_frames(req, "cannot read the image header", 400)
     meta = _Unpickler(io.BytesIO(frame0)).load()
     assert (meta.error_msg, meta.error_code, meta.grid_dim, meta.shape) == (
-        "cannot read the image header", 400, None, None)
+        "cannot read the image header",
+        400,
+        None,
+        None,
+    )
     assert error_body("r", "boom") == {"status": "error", "message": "boom", "req_id": "r"}
 
 
@@ -263,8 +295,9 @@ def test_pusher_settings_are_checked():
 
 
 def _receive_url(req_id, address, count=2):
-    return ReceiveUrlRequest(req_id=req_id, receive_count=count, receive_url=address,
-                             modality="IMAGE")
+    return ReceiveUrlRequest(
+        req_id=req_id, receive_count=count, receive_url=address, modality="IMAGE"
+    )
 
 
 def test_registry_registration_before_encode():

@@ -202,8 +202,7 @@ def _read_capped(conn, response, url: str, max_bytes: int, deadline: float, inde
         total += len(chunk)
         if total > max_bytes:
             raise LimitExceededError(
-                f"image URL {_short(url)} sent more than {max_bytes} bytes; send a smaller "
-                "image.",
+                f"image URL {_short(url)} sent more than {max_bytes} bytes; send a smaller image.",
                 index,
             )
         chunks.append(chunk)

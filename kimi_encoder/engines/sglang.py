@@ -44,7 +44,11 @@ PART_SUFFIX = "_local_part_"  # part req_id = f"{rid}{PART_SUFFIX}{part_idx}"
 
 ENCODE_REQUIRED = ("req_id", "modality", "mm_items", "num_parts", "part_idx")
 ENCODE_OPTIONAL = (
-    "encoder_idx", "encoder_url", "prefill_host", "embedding_port", "time_stats_json"
+    "encoder_idx",
+    "encoder_url",
+    "prefill_host",
+    "embedding_port",
+    "time_stats_json",
 )
 RECEIVE_URL_FIELDS = ("req_id", "receive_count", "receive_url", "modality")
 ITEM_KEYS = ("url", "content_hash")

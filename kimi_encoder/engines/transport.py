@@ -96,12 +96,10 @@ class ZmqPusher:
         if not reuse:
             entry.socket.close(linger=int(self.linger_s * 1000))
 
-    def close(self) -> None:
-        """Close every socket, dropping what is still queued."""
-        for entry in self._sockets.values():
-            entry.socket.close(linger=0)
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close every socket; queued messages get ``linger_s`` to leave (this blocks)."""
         self._sockets.clear()
-        self._context.destroy(linger=0)
+        self._context.destroy(linger=int(linger_s * 1000))
 
     @property
     def cached(self) -> list[str]:
