@@ -295,7 +295,7 @@ class ReceiverRegistry:
 
     ttl_s: float = 180.0
     max_entries: int = 4096
-    _entries: dict[str, _Pending] = field(default_factory=dict, repr=False)
+    _entries: dict[str, _Pending] = field(default_factory=dict, init=False, repr=False)
 
     def register(self, req: ReceiveUrlRequest) -> None:
         entry = self._entry(req.req_id)

@@ -50,9 +50,11 @@ class ZmqPusher:
     # Messages queued per socket before a send waits (and then times out).
     send_hwm: int = 16
     max_cached: int = 64
-    _context: zmq.asyncio.Context = field(default_factory=zmq.asyncio.Context, repr=False)
-    _sockets: OrderedDict[str, _Entry] = field(default_factory=OrderedDict, repr=False)
-    _loop: asyncio.AbstractEventLoop | None = field(default=None, repr=False)
+    _context: zmq.asyncio.Context = field(
+        default_factory=zmq.asyncio.Context, init=False, repr=False
+    )
+    _sockets: OrderedDict[str, _Entry] = field(default_factory=OrderedDict, init=False, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.send_timeout_s > 0 or self.linger_s < 0:

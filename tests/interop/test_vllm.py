@@ -70,7 +70,9 @@ def test_consumer_loads_our_entries(produce, tmp_path, dtype):
     for index in range(len(uuids)):
         scheduler.update_state_after_alloc(request, index)
     metadata = scheduler.build_connector_meta(SchedulerOutput.make_empty())
-    assert [(m.mm_hash, m.num_token) for m in metadata.mm_datas] == list(zip(uuids, tokens))
+    assert [(m.mm_hash, m.num_token) for m in metadata.mm_datas] == list(
+        zip(uuids, tokens, strict=True)
+    )
 
     encoder_cache: dict[str, torch.Tensor] = {}
     worker.bind_connector_metadata(metadata)
