@@ -202,6 +202,14 @@ def test_embedding_frames_do_not_copy_contiguous_features():
     assert np.frombuffer(body, np.uint8).ctypes.data == features.data_ptr()
 
 
+def test_embedding_frames_of_non_contiguous_features():
+    req = EncodeRequest.from_json(encode_body())
+    features = torch.randn(16, 8).to(torch.bfloat16).t()  # (8, 16), column-major
+    frame0, body = embedding_frames(req, features, torch.tensor([[1, 4, 8]]), [(100, 37)])
+    meta = _Unpickler(io.BytesIO(frame0)).load()
+    assert torch.equal(torch.frombuffer(bytearray(body), dtype=meta.dtype).reshape(8, 16), features)
+
+
 def test_embedding_frames_refuse_mismatches():
     req = EncodeRequest.from_json(encode_body())
     with pytest.raises(ValueError, match=r"part has 1 images but grids of shape \(2, 3\)"):
@@ -249,12 +257,13 @@ def test_pusher_delivers_to_a_pull_socket(zmq_ctx):
             await pusher.send(tcp_endpoint(address), [b"again", b"x"], reuse=False)
             return pusher.cached
         finally:
-            pusher.close()
+            pusher.close(linger_s=10)
 
     assert asyncio.run(main()) == [tcp_endpoint(address)]
-    meta, data = sock.recv_multipart()
-    assert meta == b"meta" and np.array_equal(np.frombuffer(data, np.float32), body)
-    assert sock.recv_multipart() == [b"again", b"x"]
+    # Two connections: the messages may arrive in either order.
+    received = sorted((sock.recv_multipart() for _ in range(2)), key=lambda m: m[0])
+    assert received[0] == [b"again", b"x"] and received[1][0] == b"meta"
+    assert np.array_equal(np.frombuffer(received[1][1], np.float32), body)
 
 
 def test_pusher_gives_up_on_a_dead_receiver(zmq_ctx):
@@ -283,7 +292,7 @@ def test_pusher_cache_is_bounded(zmq_ctx):
                 await pusher.send(tcp_endpoint(address), [address.encode()])
             return pusher.cached
         finally:
-            pusher.close()
+            pusher.close(linger_s=10)
 
     assert asyncio.run(main()) == [tcp_endpoint(a) for a in addresses[1:]]
     assert [s.recv_multipart() for s in socks] == [[a.encode()] for a in addresses]
@@ -358,16 +367,23 @@ def test_deliver_zmq_to_tokenizer(zmq_ctx):
     sock, address = _pull(zmq_ctx)
     host, port = address.rsplit(":", 1)
     req = EncodeRequest.from_json(encode_body(prefill_host=host, embedding_port=int(port)))
+    features = torch.randn(300, 1024).to(torch.bfloat16)  # 600 KB: sent without a copy
+    frames = embedding_frames(req, features, torch.tensor([[1, 20, 60]]), [(100, 37)])
 
     async def main():
         pusher = ZmqPusher()
         try:
-            return await deliver(req, [b"a", b"b"], pusher, ReceiverRegistry(), wait_s=1)
+            return await deliver(req, frames, pusher, ReceiverRegistry(), wait_s=1)
         finally:
-            pusher.close()
+            pusher.close(linger_s=10)
 
     assert asyncio.run(main()) == [tcp_endpoint(address)]
-    assert sock.recv_multipart() == [b"a", b"b"]
+    frame0, frame1 = sock.recv_multipart()
+    meta = _Unpickler(io.BytesIO(frame0)).load()
+    assert (meta.req_id, meta.shape) == (req.req_id, [300, 1024])
+    assert torch.equal(
+        torch.frombuffer(bytearray(frame1), dtype=meta.dtype).reshape(300, 1024), features
+    )
 
 
 def test_deliver_zmq_to_scheduler_reaches_every_rank(zmq_ctx):
@@ -383,7 +399,7 @@ def test_deliver_zmq_to_scheduler_reaches_every_rank(zmq_ctx):
             registry.register(_receive_url(req.req_id, address1))  # the other after
             return await task
         finally:
-            pusher.close()
+            pusher.close(linger_s=10)
 
     assert asyncio.run(main()) == [tcp_endpoint(address0), tcp_endpoint(address1)]
     assert sock0.recv_multipart() == sock1.recv_multipart() == [b"m", b"e"]

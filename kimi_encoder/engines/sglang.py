@@ -240,7 +240,7 @@ def embedding_frames(
     ``features`` is ``(tokens, hidden)``, every image's rows in item order;
     ``grids`` is ``(n, 3)`` t/h/w in patches before the merge; ``original_sizes``
     is each image's uploaded ``(width, height)``, which K3's prefill writes into
-    the prompt.
+    the prompt. Frame 1 shares ``features``' memory: leave them unchanged.
     """
     n = len(req.mm_items)
     if tuple(grids.shape) != (n, 3) or len(original_sizes) != n:
