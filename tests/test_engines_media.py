@@ -1,6 +1,7 @@
 """Image references under a fetch policy: inline data, refused schemes, guarded http."""
 
 import base64
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -80,6 +81,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._answer(200, PNG, {"Content-Length": str(len(PNG))})
         elif self.path == "/moved":
             self._answer(302, b"", {"Location": "/a.png", "Content-Length": "0"})
+        elif self.path == "/declared":
+            self._answer(200, b"", {"Content-Length": str(10 * len(PNG))})
         elif self.path == "/big":  # no Content-Length: the cap applies while reading
             self._answer(200, PNG + PNG, {"Connection": "close"})
         elif self.path == "/slow":
@@ -122,8 +125,9 @@ def test_fetch_from_an_allowed_loopback_server(server):
         ("/moved", EncoderInputError, "answered 302 .*redirects are not followed"),
         ("/missing", EncoderInputError, "answered HTTP 404"),
         ("/big", LimitExceededError, f"sent more than {len(PNG) + 10} bytes"),
+        ("/declared", LimitExceededError, f"declares {10 * len(PNG)} bytes, over the limit"),
     ],
-    ids=["redirect", "404", "over-cap"],
+    ids=["redirect", "404", "over-cap", "declared-over-cap"],
 )
 def test_fetch_refusals(server, path, error, match):
     with pytest.raises(error, match=match):
@@ -136,6 +140,33 @@ def test_fetch_deadline(server):
         read_image_ref(f"{server}/slow", policy)
 
 
+@pytest.mark.parametrize(
+    "url, match",
+    [
+        ("http://127.0.0.1:99999/a.png", "invalid port"),
+        ("http://user:pw@127.0.0.1/a.png", "carry no credentials"),
+        ("http:///a.png", "must name a host"),
+    ],
+    ids=["port", "credentials", "no-host"],
+)
+def test_malformed_urls(url, match):
+    with pytest.raises(EncoderInputError, match=match):
+        read_image_ref(url, LOOPBACK)
+
+
+def test_fetch_from_a_closed_port(server):
+    port = int(server.rsplit(":", 1)[1])
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))  # a port nobody listens on
+    closed = probe.getsockname()[1]
+    probe.close()
+    assert closed != port
+    with pytest.raises(EncoderInputError, match="could not fetch image URL .*ConnectionRefused"):
+        read_image_ref(f"http://127.0.0.1:{closed}/a.png", LOOPBACK)
+
+
 def test_policy_is_checked():
     with pytest.raises(ValueError, match="timeout_s must be positive, got 0"):
         FetchPolicy(timeout_s=0)
+    with pytest.raises(ValueError, match="max_bytes must be at least 1, got 0"):
+        FetchPolicy(max_bytes=0)

@@ -301,6 +301,8 @@ def test_pusher_cache_is_bounded(zmq_ctx):
 def test_pusher_settings_are_checked():
     with pytest.raises(ValueError, match="send_hwm and max_cached must be at least 1"):
         ZmqPusher(max_cached=0)
+    with pytest.raises(ValueError, match="send_timeout_s must be positive"):
+        ZmqPusher(send_timeout_s=0)
 
 
 def _receive_url(req_id, address, count=2):
@@ -418,3 +420,22 @@ def test_load_images_hash_mismatch():
     req = EncodeRequest.from_json(encode_body(mm_items=[{"url": DATA_URL, "content_hash": wrong}]))
     with pytest.raises(EncoderInputError, match="item 0: content_hash sha256:0+ does not match"):
         load_images(req, FetchPolicy())
+
+
+def test_deliver_reports_a_rank_that_is_gone(zmq_ctx):
+    (live, live_address), (dead, dead_address) = _pull(zmq_ctx), _pull(zmq_ctx)
+    dead.close()
+    req = EncodeRequest.from_json(encode_body())
+
+    async def main():
+        pusher, registry = ZmqPusher(send_timeout_s=0.2), ReceiverRegistry()
+        for address in (live_address, dead_address):
+            registry.register(_receive_url(req.req_id, address))
+        try:
+            await deliver(req, [b"m"], pusher, registry, wait_s=5)
+        finally:
+            pusher.close(linger_s=10)
+
+    with pytest.raises(PushError, match="1 of 2 sends failed"):
+        asyncio.run(main())
+    assert live.recv_multipart() == [b"m"]
