@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench lint clean system-deps browser-deps
+.PHONY: install serve test bench lint clean system-deps browser-deps interop-env interop
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,3 +42,28 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# sglang's and vLLM's own code, each in its own environment, checking what
+# kimi_encoder/engines writes (tests/interop). Our side runs under $(PY).
+SGLANG_VENV := .venv-sglang
+VLLM_VENV := .venv-vllm
+
+$(SGLANG_VENV)/.installed: tests/interop/requirements-sglang.txt
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --no-deps -r tests/interop/requirements-sglang.txt
+	touch $@
+
+$(VLLM_VENV)/.installed: tests/interop/requirements-vllm.txt
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -r tests/interop/requirements-vllm.txt
+	touch $@
+
+interop-env: $(SGLANG_VENV)/.installed $(VLLM_VENV)/.installed
+
+interop: interop-env $(STAMP)
+	KIMI_ENCODER_PYTHON=$(abspath $(PY)) $(SGLANG_VENV)/bin/python -m pytest \
+	  -c tests/interop/pytest.ini tests/interop/test_sglang.py $(PYTEST_ARGS)
+	KIMI_ENCODER_PYTHON=$(abspath $(PY)) VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest \
+	  -c tests/interop/pytest.ini tests/interop/test_vllm.py $(PYTEST_ARGS)

@@ -1,0 +1,86 @@
+"""vLLM 0.33.0's own encoder-cache connector loads what kimi_encoder writes (.venv-vllm).
+
+A consumer's ``ECExampleConnector`` in both roles: the scheduler's finds each
+image's entry by its identifier (the client's uuid) and plans the load, the
+worker's loads it into the encoder cache, equal to the features we wrote.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vllm.config import VllmConfig
+from vllm.config.ec_transfer import ECTransferConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.example_connector import ECExampleConnector
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+
+
+def _connectors(root) -> tuple[ECExampleConnector, ECExampleConnector]:
+    config = VllmConfig(
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="ECExampleConnector",
+            ec_role="ec_consumer",
+            ec_connector_extra_config={"shared_storage_path": str(root)},
+        )
+    )
+    return (
+        ECExampleConnector(config, ECConnectorRole.SCHEDULER),
+        ECExampleConnector(config, ECConnectorRole.WORKER),
+    )
+
+
+def _request(uuids: list[str], tokens: list[int]) -> Request:
+    """A request whose prompt holds each image's pad run, identified by its uuid."""
+    features, offset = [], 1
+    for uuid, count in zip(uuids, tokens, strict=True):
+        features.append(
+            MultiModalFeatureSpec(
+                data=None,
+                modality="image",
+                identifier=uuid,
+                mm_position=PlaceholderRange(offset=offset, length=count),
+            )
+        )
+        offset += count + 1
+    return Request(
+        request_id="interop",
+        prompt_token_ids=[0] * offset,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=features,
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_consumer_loads_our_entries(produce, tmp_path, dtype):
+    root = tmp_path / "ec"
+    root.mkdir()
+    spec, features = produce("ec", str(root), "--dtype", dtype)
+    scheduler, worker = _connectors(root)
+    assert scheduler.is_consumer and not scheduler.is_producer
+
+    uuids, tokens = spec["uuids"], spec["tokens"]
+    assert all(scheduler.has_cache_item(u) for u in uuids)
+    assert not scheduler.has_cache_item("never-written")
+    request = _request(uuids, tokens)
+    for index in range(len(uuids)):
+        scheduler.update_state_after_alloc(request, index)
+    metadata = scheduler.build_connector_meta(SchedulerOutput.make_empty())
+    assert [(m.mm_hash, m.num_token) for m in metadata.mm_datas] == list(
+        zip(uuids, tokens, strict=True)
+    )
+
+    encoder_cache: dict[str, torch.Tensor] = {}
+    worker.bind_connector_metadata(metadata)
+    worker.start_load_caches(encoder_cache)
+    worker.clear_connector_metadata()
+    offset = 0
+    for uuid, count in zip(uuids, tokens, strict=True):
+        loaded = encoder_cache[uuid]
+        assert loaded.dtype == features.dtype and loaded.shape == (count, features.shape[1])
+        assert torch.equal(loaded, features[offset : offset + count])
+        offset += count

@@ -1,0 +1,86 @@
+"""vLLM encoder-cache files: layout, dtype, uuid checks, and no half-written file ever visible."""
+
+import json
+import struct
+import threading
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY, ec_cache_path, write_ec_cache
+
+
+def _header_dtype(path) -> str:
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(size))[EC_KEY]["dtype"]
+
+
+@pytest.mark.parametrize(
+    "dtype, stored", [(torch.float32, "F32"), (torch.bfloat16, "BF16")], ids=["f32", "bf16"]
+)
+def test_write_and_read_back(tmp_path, dtype, stored):
+    features = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
+    entry = write_ec_cache(tmp_path, "img-7f3a", features)
+    assert entry.path == tmp_path / "img-7f3a" / EC_FILENAME == ec_cache_path(tmp_path, "img-7f3a")
+    assert (entry.uuid, entry.num_tokens, entry.hidden) == ("img-7f3a", 12, 16)
+    assert entry.dtype == str(dtype).removeprefix("torch.")
+    assert entry.nbytes == entry.path.stat().st_size
+    assert _header_dtype(entry.path) == stored
+    loaded = load_file(entry.path)
+    assert list(loaded) == [EC_KEY] and torch.equal(loaded[EC_KEY], features)
+    assert sorted(p.name for p in entry.path.parent.iterdir()) == [EC_FILENAME]
+
+
+def test_an_entry_is_replaced_whole(tmp_path):
+    write_ec_cache(tmp_path, "u", torch.zeros(4, 8))
+    write_ec_cache(tmp_path, "u", torch.ones(2, 8))
+    assert torch.equal(load_file(ec_cache_path(tmp_path, "u"))[EC_KEY], torch.ones(2, 8))
+
+
+@pytest.mark.parametrize("uuid", ["", ".", "..", "../x", "a/b", "a\\b", "a\0b", "a\nb", "x" * 256])
+def test_uuid_must_be_one_path_component(tmp_path, uuid):
+    with pytest.raises(ValueError, match="cannot name a cache directory"):
+        write_ec_cache(tmp_path, uuid, torch.zeros(1, 4))
+
+
+def test_refusals(tmp_path):
+    with pytest.raises(FileNotFoundError, match="is not a directory; create it"):
+        write_ec_cache(tmp_path / "missing", "u", torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"non-empty \(num_embeds, hidden\) tensor, got shape"):
+        write_ec_cache(tmp_path, "u", torch.zeros(4))
+
+
+def test_no_partial_file_is_ever_visible(tmp_path):
+    """A reader polling the final path only ever finds complete files."""
+    uuid = "big"
+    path = ec_cache_path(tmp_path, uuid)
+    versions = [torch.full((4096, 1024), float(i)) for i in range(4)]  # 16 MiB each
+    done, first_read, errors = threading.Event(), threading.Event(), []
+
+    def poll():
+        while not done.is_set():
+            if path.exists():
+                try:
+                    value = load_file(path)[EC_KEY]
+                except Exception as exc:  # a partial file fails to parse
+                    errors.append(exc)
+                    return
+                first_read.set()
+                if not any(torch.equal(value, v) for v in versions):
+                    errors.append(f"file holds a mix: first value {value[0, 0].item()}")
+                    return
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for i, features in enumerate(versions):
+            write_ec_cache(tmp_path, uuid, features)
+            if i == 0:  # the later writes replace a file the reader is reading
+                assert first_read.wait(60), "the reader never found the file"
+    finally:
+        done.set()
+        reader.join()
+    assert errors == []
+    assert torch.equal(load_file(path)[EC_KEY], versions[-1])
