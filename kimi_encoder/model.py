@@ -91,6 +91,12 @@ class TableCache:
             self._tables.clear()
             self.bytes = 0
 
+    def __getstate__(self) -> dict:  # a copy or a pickle starts empty
+        return {"max_bytes": self.max_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_bytes"])
+
 
 class PositionEmbedding(nn.Module):
     """Learned (H, W, D) table resampled to each image's grid, plus a time term for t > 1.
@@ -150,6 +156,9 @@ class PositionEmbedding(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs):
         self.tables.clear()
         return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_stamp": None}  # a weak reference does not pickle
 
 
 def _sincos_table(dim: int, frames: int) -> torch.Tensor:
@@ -235,8 +244,9 @@ class Segments:
         kernel = choose_attention(requested, device.type, dtype, capability, varlen_attn)
         offsets, max_len = cumulative_lengths(lengths)
         cu = None
-        if kernel == "varlen":
-            cu = torch.tensor(offsets, dtype=torch.int32, device=device)
+        if kernel == "varlen":  # pinned and asynchronous: the host does not wait for the GPU
+            host = torch.tensor(offsets, dtype=torch.int32).pin_memory()
+            cu = host.to(device, non_blocking=True)
         return cls(lengths, max_len, kernel, cu)
 
 
@@ -375,9 +385,10 @@ class VisionTower(nn.Module):
         self.encoder = Encoder(cfg)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+        dtype = self.patch_embed.proj.weight.dtype  # of every activation
+        segments = Segments.of(grids, pixels.device, dtype, self.attention_kernel)
         x = self.patch_embed(pixels, grids)
         cis = self.rope(grids, pixels.device)
-        segments = Segments.of(grids, x.device, x.dtype, self.attention_kernel)
         x = self.encoder(x, cis, segments)
         return merge_patches(x, grids, self.cfg.merge_kernel_size)
 

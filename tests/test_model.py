@@ -8,7 +8,9 @@ can change. The CUDA tests compare the varlen kernel with per-image SDPA.
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 import torch
@@ -248,6 +250,23 @@ def test_position_cache_follows_dtype_round_trip():
     with torch.inference_mode():
         got = pos(GRIDS)
     assert torch.equal(got, _position_reference(pos, GRIDS))  # the rounded weight's tables
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_start_with_empty_caches(tiny_model, how):
+    pixels = torch.randn(24 + 4, 3, 14, 14, generator=torch.Generator().manual_seed(2))
+    grids = [(1, 4, 6), (1, 2, 2)]
+    with torch.inference_mode():
+        want = tiny_model(pixels, grids)  # fills the original's caches
+    if how == "deepcopy":
+        twin = copy.deepcopy(tiny_model)
+    else:
+        twin = pickle.loads(pickle.dumps(tiny_model))
+    assert len(twin.vision_tower.patch_embed.pos_emb.tables) == 0
+    assert len(twin.vision_tower.rope.tables) == 0
+    with torch.inference_mode():
+        assert torch.equal(twin(pixels, grids), want)
+    assert len(twin.vision_tower.rope.tables) == 2
 
 
 def test_position_cache_stays_off_with_gradients():
