@@ -145,6 +145,7 @@ class Context:
     plan: Plan
     out: Path
     attention: str = "auto"
+    preflight: dict = field(default_factory=dict)
 
     def model(self, cfg: VisionConfig, dtype: torch.dtype, device: str | None = None):
         net = device_random_model(cfg, seed=0, device=device or self.plan.device, dtype=dtype)
@@ -330,9 +331,8 @@ def versions() -> dict:
 def _driver_version() -> str:
     """The driver's CUDA version as torch reports it, and the display driver from nvidia-smi."""
     parts = []
-    get = getattr(torch._C, "_cuda_getDriverVersion", None)
-    if get is not None:
-        number = get()
+    with contextlib.suppress(Exception):  # a private call: absent or failing on some builds
+        number = torch._C._cuda_getDriverVersion()
         parts.append(f"CUDA {number // 1000}.{number % 1000 // 10}")
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         smi = subprocess.run(
@@ -546,7 +546,7 @@ def model_checks(sec: Section, ctx: Context) -> None:
     del fp32
     check_batch_invariance(sec, low, pixels, grids)
     if plan.device == "cuda":
-        check_varlen_vs_sdpa(sec, low, pixels, grids)
+        check_varlen_vs_sdpa(sec, ctx, low, pixels, grids)
     else:
         sec.check("varlen vs per-image SDPA", None, reason="skipped: no CUDA")
 
@@ -720,7 +720,8 @@ def check_batch_invariance(sec: Section, bf16, pixels, grids) -> None:
     """An image alone vs inside a batch: the attention op (bitwise with num_splits=1) and
     the whole tower (reported; GEMM kernels may depend on the batch's row count)."""
     device = pixels.device
-    kernel = model_lib.Segments.of(grids, device, torch.bfloat16, "auto").kernel
+    chosen = bf16.vision_tower.attention_kernel
+    kernel = model_lib.Segments.of(grids, device, torch.bfloat16, chosen).kernel
     rows = [t * h * w for t, h, w in grids]
     index = len(grids) // 2
     start = sum(rows[:index])
@@ -772,12 +773,15 @@ def _segments(lengths, device, kernel) -> model_lib.Segments:
     return model_lib.Segments(list(lengths), longest, kernel, cu)
 
 
-def check_varlen_vs_sdpa(sec: Section, bf16, pixels, grids) -> None:
+def check_varlen_vs_sdpa(sec: Section, ctx: Context, bf16, pixels, grids) -> None:
     """One varlen call vs one SDPA call per image, bf16 on CUDA. Tolerances: the op's
     outputs are each rounded to bf16 once (relative L2 <= 2^-7); through the tower the
     difference compounds over 27 layers (relative L2 <= 2e-2, cosine >= 0.999)."""
     if model_lib.Segments.of(grids, pixels.device, torch.bfloat16, "auto").kernel != "varlen":
         sec.check("varlen vs per-image SDPA", None, reason="skipped: varlen not available here")
+        return
+    if ctx.attention != "auto":
+        sec.check("varlen vs per-image SDPA", False, reason=f"preflight: {ctx.preflight}")
         return
     lengths = [64, 1024, 3, 256, 777]
     q, k, v = _random_qkv(lengths, pixels.device, seed=1)
@@ -794,7 +798,7 @@ def check_varlen_vs_sdpa(sec: Section, bf16, pixels, grids) -> None:
         tower.attention_kernel = "sdpa"
         b = torch.cat(split_features(bf16, pixels.bfloat16(), grids)).float()
     finally:
-        tower.attention_kernel = "auto"
+        tower.attention_kernel = ctx.attention
     whole = compare(a, b)
     sec.check(
         "varlen vs per-image SDPA, whole tower (rel L2 <= 2e-2, cosine >= 0.999)",
@@ -815,18 +819,51 @@ def section_tower(sec: Section, ctx: Context) -> None:
     net = ctx.model(cfg, dtype)
     sec.record("weights_built_s", time.perf_counter() - started)
     kernel = model_lib.Segments.of([(1, 2, 2)], torch.device(device), dtype, ctx.attention).kernel
-    rows = {}
+    sec.record("attention_kernel", kernel)
     for name, grids in plan.mixes.items():
         if not sec.fits(f"mix {name}", 4 * plan.timed_s):
-            break
-        rows[name] = time_mix(net, cfg, grids, device, plan.timed_s)
-        sec.record(f"mix {name} ({kernel})", rows[name])
+            return
+        sec.record(f"mix {name} ({kernel})", time_mix(net, cfg, grids, device, plan.timed_s))
+    mixed = list(plan.mixes)[-1]
     if kernel == "varlen" and sec.fits("mixed batch with per-image SDPA", 4 * plan.timed_s):
-        name = list(plan.mixes)[-1]
         net.vision_tower.attention_kernel = "sdpa"
-        sec.record(f"mix {name} (sdpa)", time_mix(net, cfg, plan.mixes[name], device, plan.timed_s))
+        timing = time_mix(net, cfg, plan.mixes[mixed], device, plan.timed_s)
         net.vision_tower.attention_kernel = ctx.attention
-    sec.results["attention_kernel"] = kernel
+        sec.record(f"mix {mixed} (sdpa)", timing)
+    if device == "cuda" and sec.fits("kernel breakdown", 10):
+        pixels = seeded_pixels(plan.mixes[mixed], cfg.patch_size, device).to(dtype)
+        try:
+            breakdown = kernel_breakdown(net, pixels, plan.mixes[mixed])
+            sec.record(f"top kernels, mix {mixed} ({kernel})", breakdown)
+        except Exception as exc:  # noqa: BLE001 - the profiler is an extra, not a check
+            sec.notes.append(f"kernel breakdown failed: {type(exc).__name__}: {exc}")
+
+
+def kernel_breakdown(net, pixels, grids, top: int = 15) -> dict:
+    """Device time of the costliest kernels of one forward (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        net(pixels, grids)  # warm
+        activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+        with profile(activities=activities) as prof:
+            net(pixels, grids)
+            torch.cuda.synchronize()
+
+    def device_us(event) -> float:  # the attribute's name changed across torch versions
+        value = getattr(event, "self_device_time_total", None)
+        return value if value is not None else event.self_cuda_time_total
+
+    events = sorted(prof.key_averages(), key=device_us, reverse=True)
+    total = sum(device_us(e) for e in events) or 1.0
+    return {
+        e.key[:70]: {
+            "calls": e.count,
+            "device_ms": device_us(e) / 1e3,
+            "share": device_us(e) / total,
+        }
+        for e in events[:top]
+    }
 
 
 def matmul_ceiling(n: int, device: str, seconds: float) -> dict:
@@ -1130,22 +1167,38 @@ def markdown(data: dict) -> str:
         for check in section["checks"]:
             detail = {k: v for k, v in check.items() if k not in ("name", "status")}
             lines.append(f"- **{check['status']}** {check['name']}: {_brief(detail, 400)}")
-        texts = {k: v for k, v in section["results"].items() if not isinstance(v, dict)}
-        for key, value in texts.items():
-            lines.append(f"- {key}: {_brief(value, 600)}")
+        results = section["results"]
+        for key, value in results.items():
+            if not isinstance(value, dict):
+                lines.append(f"- {key}: {_brief(value, 600)}")
         for note in section["notes"]:
             lines.append(f"- note: {note}")
-        rows = {k: _flat(v) for k, v in section["results"].items() if isinstance(v, dict)}
-        for columns in dict.fromkeys(tuple(row) for row in rows.values()):
-            lines += ["", "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
-            for key, row in rows.items():
-                if tuple(row) == columns:
-                    cells = (_brief(row[c], 80) for c in columns)
-                    lines.append(f"| {key} | " + " | ".join(cells) + " |")
+        rows = {k: _flat(v) for k, v in results.items() if isinstance(v, dict) and not _nested(v)}
+        lines += _tables(rows)
+        for key, value in results.items():
+            if isinstance(value, dict) and _nested(value):
+                lines += ["", f"{key}:"] + _tables({k: _flat(v) for k, v in value.items()})
         if section.get("error"):
             lines += ["", "```", section["error"], "```"]
         lines.append("")
     return "\n".join(lines)
+
+
+def _nested(value: dict) -> bool:
+    """A dict of rows (each a dict), rendered as a table of its own."""
+    return bool(value) and all(isinstance(v, dict) for v in value.values())
+
+
+def _tables(rows: dict[str, dict]) -> list[str]:
+    """Markdown tables: one per distinct set of columns, a row per entry."""
+    lines = []
+    for columns in dict.fromkeys(tuple(row) for row in rows.values()):
+        lines += ["", "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for key, row in rows.items():
+            if tuple(row) == columns:
+                cells = [_brief(row[c], 80) for c in columns]
+                lines.append("| " + " | ".join([key, *cells]).replace("\n", " ") + " |")
+    return lines
 
 
 def _flat(row: dict, prefix: str = "") -> dict:
@@ -1200,9 +1253,9 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out, info, plan, args.cpu_smoke, args.budget_s)
     ctx = Context(plan, args.out)
     if plan.device == "cuda":
-        report.data["preflight"] = preflight_varlen()
-        ctx.attention = report.data["preflight"]["attention"]
-        say(f"preflight: {report.data['preflight']}")
+        ctx.preflight = report.data["preflight"] = preflight_varlen()
+        ctx.attention = ctx.preflight["attention"]
+        say(f"preflight: {ctx.preflight}")
     report.write()
     for name in args.sections:
         fn, min_s = SECTIONS[name]
