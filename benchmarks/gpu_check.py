@@ -5,11 +5,12 @@ Run from the repository root on the GPU machine (no network needed), Pillow as i
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py --out "$OUT" --budget-s 420
 
 The cpu backend is bit-exact to Pillow 13 only. To compare against Pillow 13 where the
-machine has another version, carry its wheel in the working tree (fetched on a machine
-with network: ``pip download 'pillow>=13,<14' --only-binary=:all: --no-deps
---python-version 3.12 --platform manylinux_2_28_x86_64 -d wheels/``) and run:
+machine has another version, carry its wheel (about 5 MB) in the working tree, untracked
+(fetched on a machine with network: ``pip download 'pillow>=13,<14' --only-binary=:all:
+--no-deps --python-version 3.12 --platform manylinux_2_28_x86_64 -d wheels/``), and run
+(a wheel is a zip: no pip, no network needed there):
 
-    python3 -m pip install --quiet --no-index --no-deps --target /tmp/pil13 wheels/pillow-13*.whl && PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/pil13 python3 benchmarks/gpu_check.py --out "$OUT" --budget-s 420
+    python3 -m zipfile -e wheels/pillow-13*.whl /tmp/pil13 && PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/pil13 python3 benchmarks/gpu_check.py --out "$OUT" --budget-s 420
 
 CI runs every section on CPU with the tiny preset in seconds (CUDA-only checks report
 "skipped: no CUDA"):
@@ -626,7 +627,8 @@ class CudaTests:
         ]
         out.mkdir(parents=True, exist_ok=True)
         log = out / "pytest_cuda.txt"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
         with open(log, "w") as sink:
             process = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT

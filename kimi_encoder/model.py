@@ -101,6 +101,7 @@ class TableCache:
 class PositionEmbedding(nn.Module):
     """Learned (H, W, D) table resampled to each image's grid, plus a time term for t > 1.
 
+    The result is read-only (for one image it may be the cached table itself).
     Resampled tables are cached per (h, w) while gradients are off. The cache
     is emptied whenever the weight may have changed: another tensor or storage
     behind ``weight``, an in-place write (its version counter), a
@@ -127,7 +128,7 @@ class PositionEmbedding(nn.Module):
                 time = self.time_weight[:t].to(pos.dtype)  # (t, 1, D)
                 pos = (pos.unsqueeze(0) + time).flatten(0, 1)
             out.append(pos)
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)  # one image: the table itself
 
     def table(self, h: int, w: int) -> torch.Tensor:
         """(h*w, D): the weight resampled to an h x w grid, cached where that is safe."""
@@ -200,7 +201,8 @@ def rope_table(h: int, w: int, head_dim: int, theta: float, device) -> torch.Ten
 
 class Rope2D(nn.Module):
     """(num_patches, head_dim/2) factors of several images: each frame's ``rope_table``,
-    cached per (h, w) and device, repeated over its t frames."""
+    cached per (h, w) and device, repeated over its t frames (read-only, like the
+    position embedding)."""
 
     def __init__(self, head_dim: int, theta: float, cache_bytes: int = 64 << 20):
         super().__init__()
@@ -212,8 +214,8 @@ class Rope2D(nn.Module):
         for t, h, w in grids:
             key = (h, w, device)
             table = self.tables.get(key, rope_table, h, w, self.head_dim, self.theta, device)
-            out.append(table.repeat(t, 1))
-        return torch.cat(out)
+            out.append(table if t == 1 else table.repeat(t, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)  # one image: the table itself
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
