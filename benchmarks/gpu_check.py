@@ -17,10 +17,10 @@ CI runs every section on CPU with the tiny preset in seconds (CUDA-only checks r
 
     python benchmarks/gpu_check.py --cpu-smoke --out /tmp/gc
 
-Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every section, so a
-run killed midway keeps what it measured. Each section has a deadline and the whole run
-a budget; a section that no longer fits is skipped, saying so. The first line printed
-names the versions. Exit status 1 when a correctness check fails or a section errors.
+Writes ``gpu_check.json`` and ``gpu_check.md`` into ``--out`` after every measurement, so
+a run killed midway keeps what it measured (and ``pytest_cuda.txt``, the CUDA tests' log).
+Each section has a deadline and the whole run a budget; a section that no longer fits is
+skipped, saying so. The first line printed names the versions. Exit status 1 when a correctness check fails or a section errors.
 Imports only ``kimi_encoder`` and, for the served section, ``deployments.batcher``.
 """  # noqa: E501 (the commands stay one line each, to paste)
 
@@ -682,7 +682,8 @@ class CudaTests:
 
 @contextlib.contextmanager
 def fp32_exact() -> Iterator[None]:
-    """TF32 off for matmuls and convolutions (the float32 comparison needs true float32)."""
+    """TF32 off for matmuls and convolutions (the float32 comparison needs true float32;
+    cuDNN convolutions default to TF32)."""
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
@@ -697,10 +698,15 @@ def check_fp32_cuda_vs_cpu(sec: Section, cuda_model, pixels, grids) -> None:
     got = split_features(cuda_model, pixels, grids)
     per_image = [compare(g, w) for g, w in zip(got, want, strict=True)]
     worst = max(p["rel_l2"] for p in per_image)
+    tf32 = {
+        "matmul": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn": torch.backends.cudnn.allow_tf32,
+    }
     sec.check(
         "float32 CUDA vs CPU (rel L2 <= 1e-4 per image)",
         worst <= 1e-4,
         grids=grids,
+        tf32=tf32,
         per_image=per_image,
     )
 
