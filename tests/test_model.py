@@ -93,9 +93,8 @@ def test_segments_on_cpu():
         m.Segments.of(GRIDS[:3], torch.device("cpu"), BF16, "varlen")
 
 
-def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False,
-                 return_aux=None):  # fmt: skip
-    """The first public signature (torch 2.10): no scale, no num_splits."""
+def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+    """The first public signature (torch 2.10, less return_aux): no scale, no num_splits."""
 
 
 @pytest.mark.parametrize(

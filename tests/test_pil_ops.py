@@ -326,8 +326,10 @@ class _InputDtypes(TorchDispatchMode):
 
 
 # Ops that only relabel memory (no kernel), and the few that CUDA runs on bool masks.
-_METADATA_OPS = {"aten.view.dtype", "aten.view.default", "aten.detach.default",
-                 "aten.select.int", "aten.lift_fresh.default", "aten.expand.default"}  # fmt: skip
+_METADATA_OPS = {
+    "aten.view.dtype", "aten.view.default", "aten.detach.default", "aten.select.int",
+    "aten.lift_fresh.default", "aten.expand.default",
+}  # fmt: skip
 _BOOL_OPS = _METADATA_OPS | {"aten.where.self", "aten.bitwise_or.Tensor", "aten._to_copy.default"}
 
 
