@@ -36,11 +36,18 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
+    """A dtype name or torch dtype; 'auto' is bfloat16 on a CUDA ``device``, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        return torch.bfloat16 if on_cuda else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"Unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}.")
+        raise ValueError(
+            f"Unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}, auto (bfloat16 on "
+            "CUDA, float32 on CPU)."
+        )
     return DTYPES[dtype]
 
 
@@ -70,12 +77,16 @@ class VisionEncoder:
         checkpoint: str | Path = "tiny",
         *,
         device: str | torch.device | None = "auto",
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         backend: str = "auto",
         seed: int = 0,
     ) -> VisionEncoder:
-        """Load a checkpoint directory, or build a preset with seeded random weights."""
-        dev, dt = resolve_device(device), resolve_dtype(dtype)
+        """Load a checkpoint directory, or build a preset with seeded random weights.
+
+        ``dtype`` 'auto' is bfloat16 on CUDA and float32 on CPU.
+        """
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
         resolve_backend(backend, dev)  # fail fast on a bad backend, before loading weights
         vision, preprocess, name = resolve_configs(checkpoint)
         if str(checkpoint) in PRESETS:

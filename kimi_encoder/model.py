@@ -5,11 +5,30 @@ embedding, 2-D rotary embedding, attention, MLP, block, tower, patch merge,
 projector. Module names equal the checkpoint's key names, so loading needs
 no renames. Images attend only within themselves (varlen); the model knows
 nothing about ranks or requests.
+
+Attention runs one of two ways (``choose_attention``): ``varlen``, one
+``torch.nn.attention.varlen.varlen_attn`` call per layer over the whole batch,
+when the tower runs on a CUDA device of compute capability 8.0 or newer, in
+bfloat16 or float16 (flash attention takes no float32), and this torch has
+``varlen_attn``; otherwise ``sdpa``, one ``scaled_dot_product_attention`` call
+per image (the CPU path, and float32 on CUDA). Both use scale 1/sqrt(head_dim).
+``varlen`` asks for ``num_splits=1`` where this torch accepts it, so an image's
+attention output does not depend on which other images share its batch.
+
+Tables that depend only on an image's grid (interpolated position embeddings,
+rotary factors) are cached per (h, w), device and dtype in small LRU caches;
+a cached table is bit for bit the one computed afresh.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import inspect
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +36,13 @@ from torch import nn
 
 from .config import VisionConfig
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before 2.10
+    varlen_attn = None
+
 Grid = tuple[int, int, int]
+ATTENTION_CHOICES = ("auto", "varlen", "sdpa")
 
 
 def _norm(cfg: VisionConfig, dim: int) -> nn.Module:
@@ -27,10 +52,63 @@ def _norm(cfg: VisionConfig, dim: int) -> nn.Module:
     return nn.LayerNorm(dim, eps=1e-5)
 
 
-class PositionEmbedding(nn.Module):
-    """Learned (H, W, D) table resampled to each image's grid, plus a time term for t > 1."""
+class TableCache:
+    """A least-recently-used map from a key to a derived tensor, bounded in bytes.
 
-    def __init__(self, cfg: VisionConfig):
+    A table larger than the bound is returned but not kept. Callers never
+    modify a returned table in place.
+    """
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._tables: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._tables)
+
+    def get(self, key: Hashable, compute: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+        """The table under ``key``, or ``compute(*args)`` (kept if it fits)."""
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+        table = compute(*args)
+        size = table.numel() * table.element_size()
+        with self._lock:
+            if size <= self.max_bytes and key not in self._tables:
+                self._tables[key] = table
+                self.bytes += size
+                while self.bytes > self.max_bytes:
+                    _, old = self._tables.popitem(last=False)
+                    self.bytes -= old.numel() * old.element_size()
+        return table
+
+    def clear(self) -> None:
+        with self._lock:
+            self._tables.clear()
+            self.bytes = 0
+
+    def __getstate__(self) -> dict:  # a copy or a pickle starts empty
+        return {"max_bytes": self.max_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["max_bytes"])
+
+
+class PositionEmbedding(nn.Module):
+    """Learned (H, W, D) table resampled to each image's grid, plus a time term for t > 1.
+
+    The result is read-only (for one image it may be the cached table itself).
+    Resampled tables are cached per (h, w) while gradients are off. The cache
+    is emptied whenever the weight may have changed: another tensor or storage
+    behind ``weight``, an in-place write (its version counter), a
+    ``load_state_dict`` or a ``.to()``/``.half()``/``.cuda()``.
+    """
+
+    def __init__(self, cfg: VisionConfig, cache_bytes: int = 256 << 20):
         super().__init__()
         self.mode = cfg.pos_emb_interpolation_mode
         self.weight = nn.Parameter(
@@ -39,21 +117,49 @@ class PositionEmbedding(nn.Module):
         self.register_buffer(
             "time_weight", _sincos_table(cfg.hidden_size, cfg.pos_emb_time), persistent=False
         )
+        self.tables = TableCache(cache_bytes)
+        self._stamp: tuple | None = None  # what the cached tables were computed from
 
     def forward(self, grids: Sequence[Grid]) -> torch.Tensor:
         out = []
         for t, h, w in grids:
-            if (h, w) == tuple(self.weight.shape[:2]):
-                pos = self.weight.flatten(0, 1)
-            else:
-                table = self.weight.permute(2, 0, 1).unsqueeze(0)  # (1, D, H0, W0)
-                pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)
-                pos = pos.squeeze(0).permute(1, 2, 0).flatten(0, 1)  # (h*w, D)
+            pos = self.table(h, w)  # (h*w, D)
             if t > 1:
                 time = self.time_weight[:t].to(pos.dtype)  # (t, 1, D)
                 pos = (pos.unsqueeze(0) + time).flatten(0, 1)
             out.append(pos)
-        return torch.cat(out)
+        return out[0] if len(out) == 1 else torch.cat(out)  # one image: the table itself
+
+    def table(self, h: int, w: int) -> torch.Tensor:
+        """(h*w, D): the weight resampled to an h x w grid, cached where that is safe."""
+        if (h, w) == tuple(self.weight.shape[:2]):
+            return self.weight.flatten(0, 1)
+        # Training needs the graph; an inference tensor has no version counter to watch.
+        if torch.is_grad_enabled() or self.weight.is_inference():
+            return self.interpolate(h, w)
+        weight = self.weight
+        stamp = (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        if self._stamp is None or self._stamp[0]() is not weight or self._stamp[1:] != stamp:
+            self.tables.clear()
+            self._stamp = (weakref.ref(weight), *stamp)
+        return self.tables.get((h, w), self.interpolate, h, w)
+
+    def interpolate(self, h: int, w: int) -> torch.Tensor:
+        """(h*w, D): the weight resampled to an h x w grid (uncached)."""
+        table = self.weight.permute(2, 0, 1).unsqueeze(0)  # (1, D, H0, W0)
+        pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)
+        return pos.squeeze(0).permute(1, 2, 0).flatten(0, 1)  # (h*w, D)
+
+    def _apply(self, fn, recurse=True):
+        self.tables.clear()
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.tables.clear()
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_stamp": None}  # a weak reference does not pickle
 
 
 def _sincos_table(dim: int, frames: int) -> torch.Tensor:
@@ -78,8 +184,8 @@ class PatchEmbed(nn.Module):
         return x + self.pos_emb(grids)
 
 
-def rope_2d(grids: Sequence[Grid], head_dim: int, theta: float, device) -> torch.Tensor:
-    """(num_patches, head_dim/2) complex64 factors, fp32.
+def rope_table(h: int, w: int, head_dim: int, theta: float, device) -> torch.Tensor:
+    """(h*w, head_dim/2) complex64 factors of one frame, patches row-major.
 
     Frequencies ``1/theta^(k/head_dim)`` for k = 0, 4, 8, ...; a patch at
     (y, x) gets ``[cis(x f0), cis(y f0), cis(x f1), cis(y f1), ...]``.
@@ -87,20 +193,139 @@ def rope_2d(grids: Sequence[Grid], head_dim: int, theta: float, device) -> torch
     freqs = 1.0 / (
         theta ** (torch.arange(0, head_dim, 4, device=device)[: head_dim // 4].float() / head_dim)
     )
-    out = []
-    for t, h, w in grids:
-        ys = torch.arange(h, device=device).float().repeat_interleave(w)
-        xs = torch.arange(w, device=device).float().repeat(h)
-        angles = torch.stack([torch.outer(xs, freqs), torch.outer(ys, freqs)], dim=-1)
-        cis = torch.polar(torch.ones_like(angles), angles).flatten(1)  # (h*w, head_dim/2)
-        out.append(cis.repeat(t, 1))
-    return torch.cat(out)
+    ys = torch.arange(h, device=device).float().repeat_interleave(w)
+    xs = torch.arange(w, device=device).float().repeat(h)
+    angles = torch.stack([torch.outer(xs, freqs), torch.outer(ys, freqs)], dim=-1)
+    return torch.polar(torch.ones_like(angles), angles).flatten(1)  # (h*w, head_dim/2)
+
+
+class Rope2D(nn.Module):
+    """(num_patches, head_dim/2) factors of several images: each frame's ``rope_table``,
+    cached per (h, w) and device, repeated over its t frames (read-only, like the
+    position embedding)."""
+
+    def __init__(self, head_dim: int, theta: float, cache_bytes: int = 64 << 20):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.tables = TableCache(cache_bytes)
+
+    def forward(self, grids: Sequence[Grid], device: torch.device) -> torch.Tensor:
+        out = []
+        for t, h, w in grids:
+            key = (h, w, device)
+            table = self.tables.get(key, rope_table, h, w, self.head_dim, self.theta, device)
+            out.append(table if t == 1 else table.repeat(t, 1))
+        return out[0] if len(out) == 1 else torch.cat(out)  # one image: the table itself
 
 
 def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
     """Rotate adjacent pairs (2j, 2j+1) of x: (N, heads, head_dim) by cis: (N, head_dim/2)."""
     xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
     return torch.view_as_real(xc * cis.unsqueeze(1)).flatten(-2).type_as(x)
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Where each image lies in the packed patch sequence, and how attention runs over it.
+
+    ``cu_seqlens`` is (images + 1,) int32 offsets on the device, built once per
+    forward for the ``varlen`` path (None on the ``sdpa`` path).
+    """
+
+    lengths: list[int]
+    max_len: int
+    kernel: str  # 'varlen' or 'sdpa'
+    cu_seqlens: torch.Tensor | None = None
+
+    @classmethod
+    def of(
+        cls, grids: Sequence[Grid], device: torch.device, dtype: torch.dtype, requested: str
+    ) -> Segments:
+        lengths = [t * h * w for t, h, w in grids]
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        kernel = choose_attention(requested, device.type, dtype, capability, varlen_attn)
+        offsets, max_len = cumulative_lengths(lengths)
+        cu = None
+        if kernel == "varlen":  # pinned and asynchronous: the host does not wait for the GPU
+            host = torch.tensor(offsets, dtype=torch.int32).pin_memory()
+            cu = host.to(device, non_blocking=True)
+        return cls(lengths, max_len, kernel, cu)
+
+
+def cumulative_lengths(lengths: Sequence[int]) -> tuple[list[int], int]:
+    """Offsets ``[0, l0, l0 + l1, ...]`` of packed sequences and the longest length.
+
+    >>> cumulative_lengths([4, 16, 8])
+    ([0, 4, 20, 28], 16)
+    """
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return offsets, max(lengths, default=0)
+
+
+def choose_attention(
+    requested: str,
+    device_type: str,
+    dtype: torch.dtype,
+    capability: tuple[int, int] | None,
+    varlen_fn: Callable | None,
+) -> str:
+    """'varlen' or 'sdpa' (module docstring): ``requested`` is 'auto', 'varlen' or 'sdpa'.
+
+    ``capability`` is the CUDA device's (major, minor), ``varlen_fn`` this torch's
+    ``varlen_attn`` (None when it has none).
+    """
+    if requested not in ATTENTION_CHOICES:
+        raise ValueError(
+            f"Unknown attention {requested!r}; allowed: {', '.join(ATTENTION_CHOICES)}."
+        )
+    fits = (
+        device_type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and capability is not None
+        and capability >= (8, 0)
+        and varlen_fn is not None
+    )
+    if requested == "varlen" and not fits:
+        raise ValueError(
+            f"attention 'varlen' needs a CUDA device of compute capability 8.0+, bfloat16 or "
+            f"float16 and torch.nn.attention.varlen.varlen_attn; got device {device_type!r} "
+            f"(capability {capability}), dtype {dtype}, varlen_attn "
+            f"{'present' if varlen_fn else 'missing'}. Use attention 'auto' or 'sdpa'."
+        )
+    return "varlen" if requested == "varlen" or (requested == "auto" and fits) else "sdpa"
+
+
+@functools.cache
+def varlen_options(varlen_fn: Callable, head_dim: int) -> dict:
+    """The keywords to pass to this torch's ``varlen_attn``: ``scale`` and ``num_splits=1``
+    where it takes them (without ``scale`` it already uses 1/sqrt(head_dim))."""
+    params = inspect.signature(varlen_fn).parameters
+    options: dict = {}
+    if "scale" in params:
+        options["scale"] = head_dim**-0.5
+    if "num_splits" in params:
+        options["num_splits"] = 1
+    return options
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
+    """Full attention within each image: (N, heads, head_dim) each -> (N, heads, head_dim)."""
+    if seg.kernel == "varlen":
+        options = varlen_options(varlen_attn, q.shape[-1])
+        cu = seg.cu_seqlens
+        return varlen_attn(q, k, v.contiguous(), cu, cu, seg.max_len, seg.max_len, **options)
+    out = []
+    split = seg.lengths
+    for qs, ks, vs in zip(q.split(split), k.split(split), v.split(split), strict=True):
+        o = F.scaled_dot_product_attention(
+            qs.transpose(0, 1).unsqueeze(0),
+            ks.transpose(0, 1).unsqueeze(0),
+            vs.transpose(0, 1).unsqueeze(0),
+        )  # (1, heads, n, head_dim)
+        out.append(o.squeeze(0).transpose(0, 1))
+    return torch.cat(out)
 
 
 class MLP(nn.Module):
@@ -126,21 +351,14 @@ class Block(nn.Module):
         self.wo = nn.Linear(cfg.qkv_hidden_size, cfg.hidden_size, bias=cfg.attn_bias)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, cis: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
         qkv = self.wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # each (N, heads, head_dim)
         q, k = apply_rope(q, cis), apply_rope(k, cis)
-        out = []
-        for qs, ks, vs in zip(q.split(segments), k.split(segments), v.split(segments), strict=True):
-            o = F.scaled_dot_product_attention(
-                qs.transpose(0, 1).unsqueeze(0),
-                ks.transpose(0, 1).unsqueeze(0),
-                vs.transpose(0, 1).unsqueeze(0),
-            )  # (1, heads, n, head_dim)
-            out.append(o.squeeze(0).transpose(0, 1))
-        return self.wo(torch.cat(out).flatten(1))  # (N, qkv) -> (N, hidden)
+        out = attend(q, k, v, segments)
+        return self.wo(out.flatten(1))  # (N, qkv) -> (N, hidden)
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
         x = x + self.attention(self.norm0(x), cis, segments)
         return x + self.mlp(self.norm1(x))
 
@@ -151,7 +369,7 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
         for block in self.blocks:
             x = block(x, cis, segments)
         return self.final_layernorm(x)
@@ -163,16 +381,18 @@ class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
+        self.attention_kernel = "auto"  # or 'varlen' / 'sdpa' to force a kernel (choose_attention)
         self.patch_embed = PatchEmbed(cfg)
+        self.rope = Rope2D(cfg.head_dim, cfg.rope_theta)
         self.encoder = Encoder(cfg)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        cfg = self.cfg
+        dtype = self.patch_embed.proj.weight.dtype  # of every activation
+        segments = Segments.of(grids, pixels.device, dtype, self.attention_kernel)
         x = self.patch_embed(pixels, grids)
-        cis = rope_2d(grids, cfg.head_dim, cfg.rope_theta, pixels.device)
-        segments = [t * h * w for t, h, w in grids]
+        cis = self.rope(grids, pixels.device)
         x = self.encoder(x, cis, segments)
-        return merge_patches(x, grids, cfg.merge_kernel_size)
+        return merge_patches(x, grids, self.cfg.merge_kernel_size)
 
 
 def merge_patches(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]) -> torch.Tensor:

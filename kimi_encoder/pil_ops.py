@@ -31,6 +31,11 @@ How Pillow resamples, and how this module matches it bit for bit:
   integer conversions on both sides; ``P`` and ``1`` always use Pillow's
   nearest-neighbour scaling, whose source positions come from a running
   float64 sum.
+
+The tensors a caller sees keep Pillow's pixel types (``uint16`` for ``I;16``,
+``bool`` for ``1``), but CUDA has few kernels for those two: every operation
+here computes on ``int32`` and ``uint8`` instead, and ``uint16`` data is only
+ever reinterpreted (``Tensor.view``) from ``int16``, never computed on.
 """
 
 from __future__ import annotations
@@ -87,8 +92,16 @@ class RawImage:
 def raw_from_pil(img: Image.Image, device: torch.device | str | None = None) -> RawImage:
     """Package a decoded Pillow image without converting it (host side)."""
     if img.mode not in SUPPORTED_MODES:
-        raise ValueError(f"Unsupported image mode: {img.mode}")
-    pixels = torch.from_numpy(np.array(img)).to(device)
+        raise ValueError(
+            f"Unsupported image mode: {img.mode}; the torch port handles "
+            f"{', '.join(sorted(SUPPORTED_MODES))}. Convert other modes with Pillow "
+            "(preprocess.preprocess_gpu does)."
+        )
+    array = np.array(img)
+    if array.dtype == np.uint16:  # moved as int16 bits: CUDA copies int16 natively
+        pixels = torch.from_numpy(array.view(np.int16)).to(device).view(torch.uint16)
+    else:
+        pixels = torch.from_numpy(array).to(device)
     palette = None
     if img.mode in ("P", "PA"):
         entries = np.zeros((256, 4), dtype=np.uint8)
@@ -117,18 +130,39 @@ def resize_bicubic(raw: RawImage, size: tuple[int, int]) -> RawImage:
     if tuple(size) == raw.size:
         return raw
     palette = raw.palette
+    pixel_type = raw.pixels.dtype
+    pixels = _widen(raw.pixels)
     if raw.mode in _NEAREST_MODES:
-        pixels = _resize_nearest(raw.pixels, width, height)
+        pixels = _resize_nearest(pixels, width, height)
     elif raw.mode in _PREMULTIPLIED_MODES:
-        pixels = _unpremultiply(_resample(_premultiply(raw.pixels), width, height))
+        pixels = _unpremultiply(_resample(_premultiply(pixels), width, height, pixel_type))
     elif raw.mode in SUPPORTED_MODES:
-        pixels = _resample(raw.pixels, width, height)
+        pixels = _resample(pixels, width, height, pixel_type)
         if raw.mode == "PA":
             # Pillow's resampler does not copy the palette: the result's is empty (black).
             palette = torch.zeros_like(raw.palette[:, :3])
     else:
         raise ValueError(f"Unsupported image mode: {raw.mode}")
-    return RawImage(pixels, raw.mode, palette, raw.transparency)
+    return RawImage(_narrow(pixels, pixel_type), raw.mode, palette, raw.transparency)
+
+
+def _widen(pixels: torch.Tensor) -> torch.Tensor:
+    """Pixels in a type CUDA computes on: ``uint16`` -> ``int32``, ``bool`` -> ``uint8``."""
+    if pixels.dtype == torch.uint16:
+        return pixels.view(torch.int16).to(torch.int32) & 0xFFFF
+    if pixels.dtype == torch.bool:
+        return pixels.to(torch.uint8)
+    return pixels
+
+
+def _narrow(pixels: torch.Tensor, pixel_type: torch.dtype) -> torch.Tensor:
+    """``_widen`` undone: values already in range back to Pillow's pixel type."""
+    if pixel_type == torch.uint16:
+        wrapped = torch.where(pixels >= 1 << 15, pixels - (1 << 16), pixels)
+        return wrapped.to(torch.int16).view(torch.uint16)
+    if pixel_type == torch.bool:
+        return pixels != 0
+    return pixels
 
 
 def _resize_nearest(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
@@ -151,8 +185,13 @@ def _nearest_indices(in_size: int, out_size: int, device: torch.device) -> torch
     return torch.tensor([int(p) for p in positions], dtype=torch.int64, device=device)
 
 
-def _resample(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
-    """Two-pass separable bicubic resampling in the pixels' own type."""
+def _resample(
+    pixels: torch.Tensor, width: int, height: int, pixel_type: torch.dtype
+) -> torch.Tensor:
+    """Two-pass separable bicubic resampling, rounding as Pillow stores ``pixel_type``.
+
+    ``pixels`` are widened (``_widen``): ``I;16`` data arrives and leaves as int32.
+    """
     x = pixels if pixels.dim() == 3 else pixels.unsqueeze(-1)
     in_height, in_width = x.shape[:2]
     passes = [(1, width), (0, height)]
@@ -160,16 +199,18 @@ def _resample(pixels: torch.Tensor, width: int, height: int) -> torch.Tensor:
         passes.reverse()  # Pillow 13 goes vertical first when height shrinks much more
     for dim, out_size in passes:
         if out_size != x.shape[dim]:
-            x = _resample_axis(x, dim, out_size)
+            x = _resample_axis(x, dim, out_size, pixel_type)
     return x.reshape(height, width, *pixels.shape[2:])
 
 
-def _resample_axis(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
+def _resample_axis(
+    x: torch.Tensor, dim: int, out_size: int, pixel_type: torch.dtype
+) -> torch.Tensor:
     """One resampling pass of an (H, W, C) tensor along ``dim`` (0 or 1)."""
     index, weights, valid = _bicubic_coefficients(x.shape[dim], out_size, x.device)
     shape = [1, 1, 1]
     shape[dim] = out_size
-    if x.dtype == torch.uint8:
+    if pixel_type == torch.uint8:
         weights = _to_fixed_point(weights)
         source = x.to(torch.int32)
         acc: torch.Tensor | float = 1 << (PRECISION_BITS - 1)
@@ -178,27 +219,27 @@ def _resample_axis(x: torch.Tensor, dim: int, out_size: int) -> torch.Tensor:
         acc = 0.0
     for tap in range(index.shape[1]):
         term = source.index_select(dim, index[:, tap]) * weights[:, tap].view(shape)
-        if x.dtype != torch.uint8:
+        if pixel_type != torch.uint8:
             # Pillow never reads padding taps; 0 * inf would leak NaNs here.
             term = torch.where(valid[:, tap].view(shape), term, 0.0)
         acc = acc + term
-    return _store(acc, x.dtype)
+    return _store(acc, pixel_type)
 
 
-def _store(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Round an accumulated pass back into the pixel type, as Pillow does."""
-    if dtype == torch.uint8:
+def _store(acc: torch.Tensor, pixel_type: torch.dtype) -> torch.Tensor:
+    """Round an accumulated pass into the pixel type as Pillow does (``I;16`` kept as int32)."""
+    if pixel_type == torch.uint8:
         return (acc >> PRECISION_BITS).clamp(0, 255).to(torch.uint8)
-    if dtype == torch.float32:
+    if pixel_type == torch.float32:
         return acc.to(torch.float32)
     rounded = torch.where(acc >= 0, acc + 0.5, acc - 0.5).trunc()
-    if dtype == torch.uint16:
-        return rounded.clamp(0, 65535).to(torch.uint16)
-    if dtype == torch.int32:
+    if pixel_type == torch.uint16:
+        return rounded.clamp(0, 65535).to(torch.int32)
+    if pixel_type == torch.int32:
         # The C cast of an out-of-range double yields INT_MIN on x86.
         overflow = (rounded < _INT32_MIN) | (rounded > _INT32_MAX)
         return torch.where(overflow, _INT32_MIN, rounded).to(torch.int32)
-    raise ValueError(f"Unsupported pixel dtype: {dtype}")
+    raise ValueError(f"Unsupported pixel dtype: {pixel_type}")
 
 
 def _bicubic_coefficients(
@@ -337,12 +378,10 @@ def _rgb_and_alpha(raw: RawImage) -> tuple[torch.Tensor, torch.Tensor | None]:
 def _gray_to_8bit(pixels: torch.Tensor, mode: str) -> torch.Tensor:
     """Pillow's single-band -> ``L`` values (``I``/``I;16``/``F`` clamp, ``F`` truncates)."""
     if mode == "1":
-        return pixels.to(torch.uint8) * 255
+        return _widen(pixels) * 255
     if mode == "L":
         return pixels
-    if mode == "I;16":
-        pixels = pixels.to(torch.int32)
-    return pixels.clamp(0, 255).to(torch.uint8)
+    return _widen(pixels).clamp(0, 255).to(torch.uint8)
 
 
 def _cmyk_to_rgb(pixels: torch.Tensor) -> torch.Tensor:

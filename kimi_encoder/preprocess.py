@@ -4,11 +4,16 @@ The ``cpu`` backend runs the checkpoint processor's steps with PIL, quirks
 included (resize in the image's own mode, convert after the resize). The
 ``gpu`` backend runs the same steps as torch ops on the caller's device with
 a bit-exact port of Pillow's resampler (``pil_ops``); only the file decode
-stays on the host.
+stays on the host. Modes the port does not cover take the cpu backend's
+steps on the host, so both backends give the same pixels in every mode:
+``I;16L`` and ``RGBX`` are first re-labelled (same numbers, same Pillow
+results), the rest (``YCbCr``, ``LAB``, ``HSV``, ``I;16B``, ``I;16N``,
+``RGBa``, ``La``, ...) are resized and converted by PIL.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Sequence
 
@@ -105,6 +110,14 @@ def normalization_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarr
     return ((levels[None, :] - mean32) * inv_std32).astype(np.float32)
 
 
+@functools.lru_cache(maxsize=16)
+def _device_table(
+    mean: tuple[float, ...], std: tuple[float, ...], device: torch.device
+) -> torch.Tensor:
+    """``normalization_table`` on ``device``, computed once per (mean, std, device)."""
+    return torch.from_numpy(normalization_table(mean, std)).to(device)
+
+
 def _patchify(img: torch.Tensor, patch: int) -> torch.Tensor:
     """(C, H, W) -> (H/p * W/p, C, p, p), patches row-major."""
     c, h, w = img.shape
@@ -118,7 +131,8 @@ def _finish(rgb: torch.Tensor, cfg: DeferredPreprocessing, patch: int) -> Materi
     h, w = rgb.shape[:2]
     if (w, h) != (rc.new_width, rc.new_height):
         raise AssertionError(f"resized to {w}x{h}, expected {rc.new_width}x{rc.new_height}")
-    table = torch.from_numpy(normalization_table(cfg.image_mean, cfg.image_std)).to(rgb.device)
+    mean, std = tuple(map(float, cfg.image_mean)), tuple(map(float, cfg.image_std))
+    table = _device_table(mean, std, rgb.device)
     padded = torch.zeros(
         (3, h + rc.pad_height, w + rc.pad_width), dtype=torch.long, device=rgb.device
     )
@@ -128,20 +142,46 @@ def _finish(rgb: torch.Tensor, cfg: DeferredPreprocessing, patch: int) -> Materi
     return _patchify(values, patch), grid
 
 
-def preprocess_cpu(img: Image.Image, cfg: DeferredPreprocessing, patch: int) -> Materialized:
+def resized_rgb_pil(img: Image.Image, cfg: DeferredPreprocessing) -> np.ndarray:
+    """(h, w, 3) uint8: the processor's fill, resize and RGB conversion, in PIL."""
     rc = cfg.resize_config
     bg = cfg.transparent_bg_config
     if cfg.fill_stage == "before_resize":
         img = Image.fromarray(to_rgb_pil(img, bg))
     if img.size != (rc.new_width, rc.new_height):
         img = img.resize((rc.new_width, rc.new_height), Image.BICUBIC)
-    rgb = torch.from_numpy(to_rgb_pil(img, bg))
-    return _finish(rgb, cfg, patch)
+    return to_rgb_pil(img, bg)
+
+
+def preprocess_cpu(img: Image.Image, cfg: DeferredPreprocessing, patch: int) -> Materialized:
+    return _finish(torch.from_numpy(resized_rgb_pil(img, cfg)), cfg, patch)
+
+
+def portable(img: Image.Image) -> Image.Image:
+    """``img`` re-labelled into a mode ``pil_ops`` ports, where Pillow treats both alike.
+
+    ``I;16L`` is ``I;16`` under another name. ``RGBX`` without a transparency
+    entry resizes band by band and converts by dropping X, as ``RGB`` does.
+    (``I;16B`` and ``I;16N`` are not relabelled: Pillow 13 resizes them with
+    their bytes swapped, which only PIL itself reproduces.)
+    """
+    if img.mode == "I;16L":
+        out = Image.frombytes("I;16", img.size, np.asarray(img).astype("<u2").tobytes())
+    elif img.mode == "RGBX" and "transparency" not in img.info:
+        out = Image.fromarray(np.ascontiguousarray(np.asarray(img)[..., :3]), "RGB")
+    else:
+        return img
+    out.info.update(img.info)
+    return out
 
 
 def preprocess_gpu(
     img: Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
 ) -> Materialized:
+    img = portable(img)
+    if img.mode not in pil_ops.SUPPORTED_MODES:
+        # Only PIL converts this mode: the cpu backend's steps, normalized on the device.
+        return _finish(torch.from_numpy(resized_rgb_pil(img, cfg)).to(device), cfg, patch)
     rc = cfg.resize_config
     bg = cfg.transparent_bg_config
     raw = pil_ops.raw_from_pil(img, device=device)

@@ -23,6 +23,12 @@ MODES = (
     "F",
 )
 
+# Rarer modes Pillow decodes from files (TIFF, IM), and modes only built in memory.
+RARE_FILE_MODES = ("YCbCr", "LAB", "I;16B", "I;16L")
+MEMORY_MODES = ("HSV", "I;16N", "RGBX", "RGBa", "La")
+_FILE_FORMATS = {"CMYK": "TIFF", "I": "TIFF", "F": "TIFF", "YCbCr": "TIFF", "LAB": "TIFF"}
+_FILE_FORMATS |= {"I;16B": "TIFF", "I;16L": "IM"}  # TIFF would reopen I;16L as I;16
+
 
 def _base(size: tuple[int, int], seed: int) -> np.ndarray:
     """(H, W, 4) float in [0, 1]: gradients, noise and hard edges."""
@@ -79,13 +85,23 @@ def make_image(mode: str, size: tuple[int, int], seed: int = 0) -> Image.Image:
     if mode == "F":
         arr = (base[..., 2] * 300 - 20).astype(np.float32)
         return Image.frombytes("F", size, arr.astype("<f4").tobytes())
+    if mode in ("YCbCr", "LAB", "HSV"):
+        return Image.frombytes(mode, size, u8[..., :3].tobytes())
+    if mode in ("RGBX", "RGBa"):
+        return Image.frombytes(mode, size, u8.tobytes())
+    if mode == "La":
+        return Image.frombytes("La", size, np.ascontiguousarray(u8[..., [0, 3]]).tobytes())
+    if mode in ("I;16B", "I;16L", "I;16N"):
+        # Up to 1400: clamps to white above 255, and a resize overshoots the 8 bits.
+        arr = (base[..., 0] * 1400).astype({"I;16B": ">u2", "I;16L": "<u2", "I;16N": "=u2"}[mode])
+        return Image.frombytes(mode, size, arr.tobytes())
     raise ValueError(f"unknown test mode {mode!r}")
 
 
 def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
     buf = io.BytesIO()
-    if fmt == "PNG" and img.mode in ("CMYK", "I", "F"):
-        fmt = "TIFF"  # PNG cannot store these modes
+    if fmt == "PNG" and img.mode in _FILE_FORMATS:
+        fmt = _FILE_FORMATS[img.mode]  # PNG cannot store these modes
     img.save(buf, format=fmt)
     return buf.getvalue()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from images import image_bytes
 
-from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.encoder import VisionEncoder, resolve_dtype
 from kimi_encoder.items import EncoderItem
 
 SIZES = [(100, 37), (900, 700), (1, 1), (28, 280), (333, 111), (64, 64)]
@@ -97,5 +97,38 @@ def test_unknown_preset_names_valid_ones():
 
 
 def test_unknown_dtype():
-    with pytest.raises(ValueError, match="Unsupported dtype 'float64'; allowed: float32"):
+    with pytest.raises(
+        ValueError, match="Unsupported dtype .float64.; allowed: float32, bfloat16, float16, auto"
+    ):
         VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float64")
+
+
+@pytest.mark.parametrize(
+    "dtype, device, expected",
+    [
+        ("auto", "cpu", torch.float32),
+        ("auto", "cuda", torch.bfloat16),
+        ("auto", None, torch.float32),
+        ("float16", "cuda", torch.float16),
+        ("float32", "cuda", torch.float32),
+        (torch.bfloat16, "cpu", torch.bfloat16),
+    ],
+)
+def test_resolve_dtype(dtype, device, expected):
+    dev = None if device is None else torch.device(device)  # a device object, never allocated on
+    assert resolve_dtype(dtype, dev) == expected
+
+
+def test_auto_dtype_on_cpu_is_float32():
+    enc = VisionEncoder.from_pretrained("tiny", device="cpu", dtype="auto")
+    assert enc.dtype == torch.float32
+    assert VisionEncoder.from_pretrained("tiny", device="cpu").dtype == torch.float32  # default
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_auto_dtype_on_cuda_is_bfloat16():
+    enc = VisionEncoder.from_pretrained("tiny", device="cuda")
+    assert enc.dtype == torch.bfloat16 and enc.device.type == "cuda"
+    (features,) = enc.encode([enc.plan(image_bytes("RGB", (100, 37)))])
+    assert features.dtype == torch.bfloat16 and torch.isfinite(features.float()).all()

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_encoder.pil_ops import RawImage, raw_from_pil, resize_bicubic, to_rgb
 
@@ -308,6 +310,50 @@ def test_invalid_pattern_raises():
     raw = raw_from_pil(make_image("RGBA", 8, 8))
     with pytest.raises(ValueError, match="Invalid background pattern: stripes"):
         to_rgb(raw, {"pattern": "stripes"})
+
+
+class _InputDtypes(TorchDispatchMode):
+    """Records, for every aten op run, the dtypes of its tensor inputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, set[torch.dtype]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = pytree.tree_leaves((args, kwargs or {}))
+        self.calls.append((str(func), {t.dtype for t in leaves if isinstance(t, torch.Tensor)}))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that only relabel memory (no kernel), and the few that CUDA runs on bool masks.
+_METADATA_OPS = {
+    "aten.view.dtype", "aten.view.default", "aten.detach.default", "aten.select.int",
+    "aten.lift_fresh.default", "aten.expand.default",
+}  # fmt: skip
+_BOOL_OPS = _METADATA_OPS | {"aten.where.self", "aten.bitwise_or.Tensor", "aten._to_copy.default"}
+
+
+@pytest.mark.parametrize("kind", ["I;16", "I;16-trns", "1", "1-trns"])
+def test_no_arithmetic_on_uint16_or_bool(kind: str):
+    """CUDA has few uint16/bool kernels: those dtypes only meet relabelling ops (and
+    bool masks where/or/casts), even though the results keep Pillow's pixel types."""
+    log = _InputDtypes()
+    with log:
+        for source, target in RESIZES:
+            raw = resize_bicubic(raw_from_pil(make_image(kind, *source, seed=2)), target)
+            for bg_config in BACKGROUNDS.values():
+                to_rgb(raw, bg_config)
+    assert raw.pixels.dtype == (torch.bool if kind.startswith("1") else torch.uint16)
+    uint16_ops = {op for op, dtypes in log.calls if torch.uint16 in dtypes}
+    bool_ops = {op for op, dtypes in log.calls if torch.bool in dtypes}
+    assert uint16_ops <= _METADATA_OPS, sorted(uint16_ops - _METADATA_OPS)
+    assert bool_ops <= _BOOL_OPS, sorted(bool_ops - _BOOL_OPS)
+
+
+def test_unsupported_mode_names_the_supported_ones():
+    img = Image.new("YCbCr", (4, 3))
+    with pytest.raises(ValueError, match="Unsupported image mode: YCbCr; the torch port handles"):
+        raw_from_pil(img)
 
 
 @pytest.mark.cuda
