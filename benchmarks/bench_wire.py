@@ -54,7 +54,8 @@ def plain_st(arrays):
 
 
 def ours_st(arrays):
-    return safetensors_body({f"features.{i}": a for i, a in enumerate(arrays)}, {"model": "m"})
+    tensors = {f"features.{i}": (a, "F32") for i, a in enumerate(arrays)}
+    return safetensors_body(tensors, {"model": "m"})
 
 
 def measure(fn, arrays, repeats: int) -> tuple[float, float]:

@@ -149,6 +149,7 @@ class Context:
     plan: Plan
     out: Path
     attention: str = "auto"
+    decode_threads: int = 2
     preflight: dict = field(default_factory=dict)
 
     def model(self, cfg: VisionConfig, dtype: torch.dtype, device: str | None = None):
@@ -829,18 +830,24 @@ def section_tower(sec: Section, ctx: Context) -> None:
     started = time.perf_counter()
     net = ctx.model(cfg, dtype)
     sec.record("weights_built_s", time.perf_counter() - started)
-    kernel = model_lib.Segments.of([(1, 2, 2)], torch.device(device), dtype, ctx.attention).kernel
-    sec.record("attention_kernel", kernel)
+    sec.record("attention", ctx.attention)
+
+    def kernel_of(grids) -> str:  # what the tower runs for this batch (auto: by image size)
+        return model_lib.Segments.of(grids, torch.device(device), dtype, ctx.attention).kernel
+
     for name, grids in plan.mixes.items():
         if not sec.fits(f"mix {name}", 4 * plan.timed_s):
             return
-        sec.record(f"mix {name} ({kernel})", time_mix(net, cfg, grids, device, plan.timed_s))
+        timing = time_mix(net, cfg, grids, device, plan.timed_s)
+        sec.record(f"mix {name} ({kernel_of(grids)})", timing)
     mixed = list(plan.mixes)[-1]
-    if kernel == "varlen" and sec.fits("mixed batch with per-image SDPA", 4 * plan.timed_s):
-        net.vision_tower.attention_kernel = "sdpa"
+    kernel = kernel_of(plan.mixes[mixed])
+    other = "sdpa" if kernel == "varlen" else "varlen"
+    if device == "cuda" and sec.fits(f"mixed batch with {other}", 4 * plan.timed_s):
+        net.vision_tower.attention_kernel = other
         timing = time_mix(net, cfg, plan.mixes[mixed], device, plan.timed_s)
         net.vision_tower.attention_kernel = ctx.attention
-        sec.record(f"mix {mixed} (sdpa)", timing)
+        sec.record(f"mix {mixed} ({other})", timing)
     if device == "cuda" and sec.fits("kernel breakdown", 10):
         pixels = seeded_pixels(plan.mixes[mixed], cfg.patch_size, device).to(dtype)
         try:
@@ -1016,9 +1023,9 @@ class EventTimedEncoder(VisionEncoder):
         with self._span("forward"):
             return super().forward(pixels, items)
 
-    def materialize(self, items):
+    def materialize(self, items, prepared=None):
         with self._span("preprocess"):
-            return super().materialize(items)
+            return super().materialize(items, prepared)
 
     @contextlib.contextmanager
     def _span(self, kind: str) -> Iterator[None]:
@@ -1059,7 +1066,8 @@ def section_served(sec: Section, ctx: Context) -> None:
         net, preset.vision, preset.preprocess, name=f"preset:{plan.preset}", backend=backend
     )
     started = time.perf_counter()
-    batching = BatchingConfig(cache_bytes=0)  # every request encodes: no feature cache
+    # Every request encodes (no feature cache).
+    batching = BatchingConfig(cache_bytes=0, decode_threads=ctx.decode_threads)
     batcher = RankBatcher(encoder, batching, num_threads=torch.get_num_threads())
     sec.record(
         "setup",
@@ -1076,8 +1084,9 @@ def section_served(sec: Section, ctx: Context) -> None:
     sec.record(
         "gpu_idle_method",
         "forward / preprocess seconds: CUDA events around "
-        "VisionEncoder.forward / .materialize in the batcher's worker (preprocess spans "
-        "include the host decode between kernels); idle = 1 - (forward + preprocess) "
+        "VisionEncoder.forward / .materialize in the batcher's forward thread (the host "
+        "decode runs ahead on the decode pool; preprocess spans cover upload and gpu "
+        "preprocessing); idle = 1 - (forward + preprocess) "
         "/ wall, an upper bound on busy time, so idle is a lower bound",
     )
     images = [encoded(photo(w, h, seed=i), "JPEG") for i, (w, h) in enumerate(plan.served_sizes)]
@@ -1261,6 +1270,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=420.0, help="whole run, seconds")
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU (CI)")
     parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument(
+        "--decode-threads", type=int, default=2, help="the served rank's decode threads"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("auto", "varlen", "sdpa"),
+        default="auto",
+        help="attention kernel of the throughput sections (auto: the model's own choice)",
+    )
     args = parser.parse_args(argv)
     info = versions()
     say(versions_line(info))
@@ -1268,11 +1286,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device here; run with --cpu-smoke for the CPU variant")
     plan = SMOKE if args.cpu_smoke else FULL
     report = Report(args.out, info, plan, args.cpu_smoke, args.budget_s)
-    ctx = Context(plan, args.out)
+    ctx = Context(plan, args.out, decode_threads=args.decode_threads)
     if plan.device == "cuda":
         ctx.preflight = report.data["preflight"] = preflight_varlen()
         ctx.attention = ctx.preflight["attention"]
         say(f"preflight: {ctx.preflight}")
+    if args.attention != "auto":
+        ctx.attention = report.data["attention"] = args.attention
     report.write()
     for name in args.sections:
         fn, min_s = SECTIONS[name]

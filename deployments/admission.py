@@ -19,6 +19,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from kimi_encoder.config import PreprocessConfig, VisionConfig
+from kimi_encoder.features import FEATURE_DTYPES
 from kimi_encoder.items import (
     BACKENDS,
     EncoderInputError,
@@ -34,7 +35,7 @@ from kimi_encoder.items import (
 from .args import AppArgs
 from .schemas import EncodeRequest, ImageItem, ResponseFormat
 
-FORM_FIELDS = ("image", "response_format", "backend")
+FORM_FIELDS = ("image", "response_format", "backend", "feature_dtype")
 
 
 class UnsupportedMediaTypeError(EncoderInputError):
@@ -58,6 +59,7 @@ class Admitted:
 
     items: list[EncoderItem]
     sources: list[int]
+    feature_dtype: str
     response_format: ResponseFormat = "json"
 
     @property
@@ -101,11 +103,15 @@ class Admission:
                     "(curl -F image=@a.png -F image=@b.jpg)."
                 )
             files = [await u.read() for u in uploads]
-            fmt, backend = (form.get(k) or None for k in ("response_format", "backend"))
+            fmt, backend, dtype = (form.get(k) or None for k in FORM_FIELDS[1:])
         if fmt not in (None, "json", "safetensors"):
             raise FormError(f"response_format {fmt!r} is not one of 'json', 'safetensors'.")
+        if dtype not in (None, *FEATURE_DTYPES):
+            raise FormError(
+                f"feature_dtype {dtype!r} is not one of {', '.join(map(repr, FEATURE_DTYPES))}."
+            )
         self.check_body_size(sum(len(f) for f in files))
-        admitted = self.admit_files(files, backend)
+        admitted = self.admit_files(files, backend, dtype)
         admitted.response_format = fmt or "json"
         return admitted
 
@@ -139,14 +145,18 @@ class Admission:
             items += new
             sources += [index] * len(new)
             self._check_count(len(items))
-        return self._checked(Admitted(items, sources, request.response_format))
+        dtype = request.feature_dtype or self.args.default_feature_dtype
+        return self._checked(Admitted(items, sources, dtype, request.response_format))
 
-    def admit_files(self, files: list[bytes], backend: str | None) -> Admitted:
+    def admit_files(
+        self, files: list[bytes], backend: str | None, feature_dtype: str | None = None
+    ) -> Admitted:
         """Multipart upload: each file is one image."""
         chosen = self.backend(backend)
         self._check_count(len(files))
         items = [self._plan(data, chosen, index) for index, data in enumerate(files)]
-        return self._checked(Admitted(items, list(range(len(items)))))
+        dtype = feature_dtype or self.args.default_feature_dtype
+        return self._checked(Admitted(items, list(range(len(items))), dtype))
 
     def _plan(self, data: bytes, backend: str, index: int) -> EncoderItem:
         return plan_image(

@@ -49,7 +49,6 @@ class ServeOptions(BaseModel):
         20, ge=0, description="Longest a stopping replica drains its calls before it is killed."
     )
 
-
     @field_validator("max_queued_requests")
     @classmethod
     def _queue_bound(cls, value: int) -> int:
@@ -77,7 +76,12 @@ class AppArgs(BaseModel):
         "auto", description="Device of each rank; 'auto' means cuda when num_gpus > 0, else cpu."
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype; features are returned as float32."
+        "float32", description="Weights and compute dtype of the ranks."
+    )
+    feature_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Element type of returned features unless a request asks for another; "
+        "None: the model's dtype (each rank casts on its device before the copy to host).",
     )
     preprocess_backend: str = Field(
         "auto",
@@ -133,6 +137,12 @@ class AppArgs(BaseModel):
         ge=1,
         description="Patch budget of one forward on a rank: images of concurrent requests are "
         "batched up to it (an image larger than it runs alone).",
+    )
+    decode_threads: int = Field(
+        2,
+        ge=1,
+        description="Threads per rank that decode and preprocess images ahead of the forward "
+        "(PIL releases the GIL); about the rank's CPU allotment on a GPU node.",
     )
     max_batch_wait_ms: float = Field(
         2.0,
@@ -235,7 +245,13 @@ class AppArgs(BaseModel):
             max_batch_wait_ms=self.max_batch_wait_ms,
             cache_bytes=self.feature_cache_bytes,
             calibration_grids=tuple(self.calibration_grids) if self.cost_model == "fitted" else (),
+            decode_threads=self.decode_threads,
         )
+
+    @property
+    def default_feature_dtype(self) -> str:
+        """The features' wire dtype of requests that do not choose one."""
+        return self.feature_dtype or self.dtype
 
     @property
     def default_backend(self) -> str:

@@ -1,20 +1,30 @@
-"""Cross-request batching, feature cache and load report of one encoder rank.
+"""Cross-request batching, feature cache, pipeline and load report of one encoder rank.
 
-Mechanism: an asyncio queue drained by one worker thread, not ``@serve.batch``.
-``@serve.batch`` batches *calls*, and caps a batch at the replica's
-``max_ongoing_requests``; here one call carries several images and the budget
-is in patches (``max_batch_patches``), so the rank queues *images*: every
-``encode`` call puts its cache misses on the queue and awaits their futures. A
-single drain task takes images first in, first out, up to the patch budget
+Mechanism: an asyncio queue of *images*, not ``@serve.batch`` (which batches calls
+and caps a batch at the replica's ``max_ongoing_requests``; here one call carries
+several images and the budget is in patches, ``max_batch_patches``). Every
+``encode`` call puts its cache misses on the queue and awaits their futures.
+
+Pipeline, per image: its preparation (``VisionEncoder.prepare``: file decode and
+preprocessing, the ``gpu`` backend's on the device on each decode thread's own
+CUDA stream) starts on a small decode pool as soon as it is queued (PIL releases
+the GIL); one drain task takes images first in, first out, up to the patch budget
 (at least one image), waiting at most ``max_batch_wait_ms`` after the oldest
-queued image arrived for more to join, and runs decode, preprocessing and one
-varlen forward on a one-thread executor, so the event loop keeps answering
-load reports and cache hits while the model runs. Items that arrive while a
-forward runs join the next batch without waiting.
+arrived for more to join, waits for their preparation, and runs one forward and
+the copy of each image's features to the host, cast on the device to the dtype
+its call asked for, on the one forward thread. So batch k+1 decodes and
+preprocesses while batch k runs its forward, the event loop keeps answering
+load reports and cache hits, and each image's features leave the device once,
+in the wire dtype, into a buffer of its own (which the cache keeps as is: no
+second copy).
 
 Cache: keys are ``kimi_encoder.cache.item_key`` with the weights' SHA-256
-fingerprint and the dtype; a hit skips decode, preprocessing and forward. An
+fingerprint, the model dtype and the feature dtype; a hit skips everything. An
 image already queued or running for another call is awaited, not encoded again.
+
+Cancellation: a call that is cancelled (the client went away, the ingress timed
+out) takes back its queued images that no other call waits for and whose forward
+has not started, so abandoned work never delays later requests.
 
 Load: the rank counts what each caller has queued or running as
 ``kimi_encoder.load.Work`` (image count, sum of patches, sum of squares).
@@ -25,16 +35,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import numpy as np
 import torch
 
 from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
 from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.features import FEATURE_DTYPES, check_dtype, dtype_name
 from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
@@ -47,17 +58,33 @@ class BatchingConfig:
     max_batch_wait_ms: float = 2.0
     cache_bytes: int = 256 << 20
     calibration_grids: tuple[int, ...] = (8, 16, 32)
+    decode_threads: int = 2
+
+
+@dataclass
+class _Timing:
+    """Milliseconds of one batch's stages, shared by the calls that had images in it."""
+
+    batch: int
+    started: float  # perf_counter when the drain took the batch
+    host_ms: float = 0.0  # longest preparation (decode, preprocessing) of its images
+    device_ms: float = 0.0  # handing the prepared pixels to the forward
+    forward_ms: float = 0.0  # tower + projector, cast to the feature dtypes
+    copy_ms: float = 0.0  # features to the host (overlaps the next batch's forward)
 
 
 @dataclass
 class _Queued:
     item: EncoderItem
     key: str | None
+    dtype: str  # feature dtype the features are delivered in
     caller: str
     call: int  # which encode call queued it
     future: asyncio.Future
     arrived: float
-    batch: tuple[int, float, float, float] | None = None  # (id, started, preprocess, forward)
+    host: Future  # its preparation on the decode pool
+    waiters: int = 1  # calls awaiting it (a duplicate in flight joins)
+    timing: _Timing | None = None  # set when a batch takes it
 
 
 @dataclass
@@ -69,6 +96,7 @@ class BatchCounters:
     joined_in_flight: int = 0  # same image already queued or running for another call
     preprocessed: int = 0  # images decoded and preprocessed (misses only)
     forwarded: int = 0  # images through the tower
+    dropped: int = 0  # queued images taken back because every call waiting went away
     batches: int = 0
     max_batch_images: int = 0
     max_batch_calls: int = 0  # most distinct encode calls in one forward
@@ -94,7 +122,7 @@ class _Outstanding:
 
 
 class RankBatcher:
-    """One rank's image queue, drain worker, feature cache and load report."""
+    """One rank's image queue, pipeline, feature cache and load report."""
 
     def __init__(self, encoder: VisionEncoder, config: BatchingConfig, num_threads: int):
         if config.max_batch_patches < 1 or config.max_batch_wait_ms < 0:
@@ -104,26 +132,34 @@ class RankBatcher:
             )
         self.encoder = encoder
         self.config = config
-        # One worker thread runs every forward; torch's thread count is per thread
+        # One forward thread runs every device stage; torch's thread count is per thread
         # (OpenMP), so it is set inside that thread, not only in the constructor's.
         self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="encode", initializer=torch.set_num_threads,
+            1, thread_name_prefix="forward", initializer=torch.set_num_threads,
             initargs=(num_threads,),
         )  # fmt: skip
+        self._decode_pool = ThreadPoolExecutor(
+            max(1, config.decode_threads), thread_name_prefix="decode",
+            initializer=torch.set_num_threads, initargs=(1,),
+        )  # fmt: skip
         self.worker_threads = self._executor.submit(torch.get_num_threads).result()
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        device = encoder.device
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._deliveries: set[asyncio.Task] = set()
         self.cache = FeatureCache(config.cache_bytes)
         self.fingerprint = weights_fingerprint(encoder.model)
-        self.dtype = str(encoder.dtype).removeprefix("torch.")
+        self.model_dtype = dtype_name(encoder.dtype)
         self.cost_model, self.calibration = self._calibrate(config.calibration_grids)
         self.counters = BatchCounters()
         self._outstanding = _Outstanding()
         self._queue: deque[_Queued] = deque()
-        self._in_flight: dict[str, asyncio.Future] = {}
+        self._in_flight: dict[str, _Queued] = {}
         self._arrived: asyncio.Event | None = None
         self._drain: asyncio.Task | None = None
 
     def _calibrate(self, grids: Sequence[int]) -> tuple[CostModel, dict]:
-        """Fit a*p^2 + b*p + c on this rank, in the worker thread (its thread count)."""
+        """Fit a*p^2 + b*p + c on this rank, in the forward thread (its thread count)."""
         if not grids:
             return CostModel.patches(), {"grids": [], "fit_s": 0.0}
         started = time.perf_counter()
@@ -131,20 +167,23 @@ class RankBatcher:
         return model, {"grids": list(grids), "fit_s": round(time.perf_counter() - started, 3)}
 
     async def encode(
-        self, items: Sequence[EncoderItem], caller: str
+        self, items: Sequence[EncoderItem], caller: str, feature_dtype: str | None = None
     ) -> tuple[list, dict[str, float]]:
-        """Features of ``items`` in order (float32 contiguous arrays, or an item's exception),
-        and this call's stage milliseconds: queue_wait, preprocess, forward (of its batches)."""
+        """Features of ``items`` in order (CPU tensors of ``feature_dtype``, the model's by
+        default, or an item's exception), and this call's stage milliseconds: queue_wait,
+        preprocess, forward (of the batches its images were in)."""
+        dtype = check_dtype(feature_dtype or self.model_dtype)
         self._start()
         self.counters.calls += 1
         call = self.counters.calls
         self.counters.items += len(items)
         self.counters.patches += sum(item.num_patches for item in items)
         futures: list[asyncio.Future] = []
-        mine: list[_Queued] = []
+        mine: list[_Queued] = []  # entries this call queued or joined
+        queued: list[_Queued] = []  # entries this call queued
         loop = asyncio.get_running_loop()
         for item in items:
-            key = item_key(item, self.fingerprint, self.dtype) if self.cache.max_bytes else None
+            key = self._key(item, dtype)
             hit = self.cache.get(key) if key is not None else None
             if hit is not None:
                 self.counters.cache_hits += 1
@@ -153,34 +192,56 @@ class RankBatcher:
                 futures.append(done)
             elif key is not None and key in self._in_flight:
                 self.counters.joined_in_flight += 1
-                futures.append(self._in_flight[key])
+                entry = self._in_flight[key]
+                entry.waiters += 1
+                mine.append(entry)
+                futures.append(entry.future)
             else:
-                queued = _Queued(item, key, caller, call, loop.create_future(), time.perf_counter())
+                entry = _Queued(
+                    item, key, dtype, caller, call, loop.create_future(), time.perf_counter(),
+                    host=self._decode_pool.submit(_timed, self.encoder.prepare, item),
+                )  # fmt: skip
                 if key is not None:
-                    self._in_flight[key] = queued.future
-                mine.append(queued)
-                futures.append(queued.future)
-        if mine:
-            self._outstanding.add(caller, Work.of(q.item.num_patches for q in mine))
-            self._queue.extend(mine)
+                    self._in_flight[key] = entry
+                mine.append(entry)
+                queued.append(entry)
+                futures.append(entry.future)
+        if queued:
+            self._outstanding.add(caller, Work.of(q.item.num_patches for q in queued))
+            self._queue.extend(queued)
             self._arrived.set()
         shielded = (asyncio.shield(f) for f in futures)  # a cancelled call leaves shared work
-        results = list(await asyncio.gather(*shielded, return_exceptions=True))
-        batches = {q.batch[0]: q for q in mine if q.batch is not None}
-        stages = {
-            "queue_wait": max(
-                ((q.batch[1] - q.arrived) * 1e3 for q in batches.values()), default=0
-            ),
-            "preprocess": sum(q.batch[2] for q in batches.values()),
-            "forward": sum(q.batch[3] for q in batches.values()),
-        }
-        return results, stages
+        try:
+            results = list(await asyncio.gather(*shielded, return_exceptions=True))
+        except asyncio.CancelledError:
+            self._abandon(mine)
+            raise
+        return results, _call_stages([q for q in queued if q.timing is not None])
 
-    async def run_in_worker(self, fn, *args):
-        """``fn(*args)`` on the encode worker thread, after the batch in progress."""
+    def _key(self, item: EncoderItem, dtype: str) -> str | None:
+        if not self.cache.max_bytes:
+            return None
+        return item_key(item, self.fingerprint, f"{self.model_dtype}->{dtype}")
+
+    def _abandon(self, entries: list[_Queued]) -> None:
+        """A call went away: take back its queued images that nobody else awaits."""
+        for entry in entries:
+            entry.waiters -= 1
+            if entry.waiters or entry.timing is not None or entry not in self._queue:
+                continue  # still awaited, or its forward already started
+            self._queue.remove(entry)
+            entry.host.cancel()  # no-op once its decode has started
+            entry.future.cancel()
+            if entry.key is not None:
+                self._in_flight.pop(entry.key, None)
+            self._outstanding.remove(entry.caller, Work.of([entry.item.num_patches]))
+            self.counters.dropped += 1
+
+    async def run_in_worker(self, fn: Callable, *args: Any) -> Any:
+        """``fn(*args)`` on the forward thread, after the batch in progress."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
-    def run_in_worker_sync(self, fn, *args):
+    def run_in_worker_sync(self, fn: Callable, *args: Any) -> Any:
         """``run_in_worker`` from outside an event loop (the rank's constructor)."""
         return self._executor.submit(fn, *args).result()
 
@@ -199,6 +260,7 @@ class RankBatcher:
             "batching": {
                 "max_batch_patches": self.config.max_batch_patches,
                 "max_batch_wait_ms": self.config.max_batch_wait_ms,
+                "decode_threads": self.config.decode_threads,
             },
             "outstanding": {"images": total.images, "patches": total.patches},
             "cache": {"max_bytes": self.cache.max_bytes, **asdict(self.cache.stats)},
@@ -215,24 +277,42 @@ class RankBatcher:
 
     async def _drain_forever(self) -> None:
         assert self._arrived is not None
+        loop = asyncio.get_running_loop()
         while True:
             if not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
                 continue
             await self._fill_window()
+            if not self._queue:  # every waiting call went away meanwhile
+                continue
             batch = self._take()
-            started = time.perf_counter()
-            loop = asyncio.get_running_loop()
+            timing = _Timing(self.counters.batches, time.perf_counter())
+            for q in batch:
+                q.timing = timing
+            hosts = await asyncio.gather(
+                *(asyncio.wrap_future(q.host) for q in batch), return_exceptions=True
+            )
             try:
-                results, preprocess_ms, forward_ms = await loop.run_in_executor(
-                    self._executor, self._encode_batch, [q.item for q in batch]
+                on_device, done = await loop.run_in_executor(
+                    self._executor, self._device_stage, batch, hosts, timing
                 )
             except Exception as exc:  # noqa: BLE001 - the whole batch failed (e.g. out of memory)
-                results, preprocess_ms, forward_ms = [exc] * len(batch), 0.0, 0.0
-            for q in batch:
-                q.batch = (self.counters.batches, started, preprocess_ms, forward_ms)
-            self._finish(batch, results)
+                self._finish(batch, [exc] * len(batch))
+                continue
+            # The copy to the host runs on its own thread (and CUDA stream) while the next
+            # batch's forward starts; batches are delivered in order (one copy thread).
+            copy = loop.run_in_executor(self._copier, self._copy_stage, on_device, done, timing)
+            delivery = loop.create_task(self._deliver(batch, copy))
+            self._deliveries.add(delivery)
+            delivery.add_done_callback(self._deliveries.discard)
+
+    async def _deliver(self, batch: list[_Queued], copy: asyncio.Future) -> None:
+        try:
+            results = await copy
+        except Exception as exc:  # noqa: BLE001 - the copy failed: every image of the batch
+            results = [exc] * len(batch)
+        self._finish(batch, results)
 
     async def _fill_window(self) -> None:
         """Wait for more images until the budget is met or the oldest has waited long enough."""
@@ -247,6 +327,8 @@ class RankBatcher:
                 await asyncio.wait_for(self._arrived.wait(), remaining)
             except asyncio.TimeoutError:
                 return
+            if not self._queue:
+                return
 
     def _take(self) -> list[_Queued]:
         batch = [self._queue.popleft()]
@@ -258,35 +340,52 @@ class RankBatcher:
             patches += batch[-1].item.num_patches
         return batch
 
-    def _encode_batch(self, items: list[EncoderItem]) -> tuple[list, float, float]:
-        """Worker thread: materialize each image (its own error), one forward for the rest.
-
-        Returns the results and the preprocess and forward milliseconds."""
-        started = time.perf_counter()
-        results: list = [None] * len(items)
+    def _device_stage(self, batch: list[_Queued], hosts: list, timing: _Timing) -> tuple:
+        """Forward thread: hand each image's prepared pixels over (its own error), one
+        forward for the rest, each one's features cast on the device to its dtype; returns
+        them (or the errors) and, on a GPU, the event marking them done."""
+        results: list = [None] * len(batch)
         good, pixels = [], []
-        for i, item in enumerate(items):
+        clock = _StageClock(self.encoder.device)
+        for i, (q, host) in enumerate(zip(batch, hosts, strict=True)):
+            if isinstance(host, BaseException):
+                results[i] = host
+                continue
+            prepared, host_ms = host
+            timing.host_ms = max(timing.host_ms, host_ms)
             try:
-                pixels.append(self.encoder.materialize([item])[0])
+                pixels.append(self.encoder.materialize([q.item], [prepared])[0])
                 good.append(i)
             except Exception as exc:  # noqa: BLE001 - one bad image fails only its own call
                 results[i] = exc
-        self.counters.preprocessed += len(items)
-        self._synchronize()
-        materialized = time.perf_counter()
+        self.counters.preprocessed += len(batch)
+        clock.mark()
         if good:
             with torch.inference_mode():
-                features = self.encoder.forward(pixels, [items[i] for i in good])
-            for i, f in zip(good, features, strict=True):
-                # float() copies a bf16/fp16 slice; a float32 slice is a view of the batch output
-                results[i] = np.ascontiguousarray(f.detach().to("cpu").float().numpy())
-        done = time.perf_counter()
-        self.counters.forward_s += done - materialized
-        return results, (materialized - started) * 1e3, (done - materialized) * 1e3
+                features = self.encoder.forward(pixels, [batch[i].item for i in good])
+                for i, f in zip(good, features, strict=True):
+                    results[i] = f.to(FEATURE_DTYPES[batch[i].dtype])
+        clock.mark()
+        timing.device_ms, timing.forward_ms = clock.spans_ms()
+        self.counters.forward_s += timing.forward_ms / 1e3
+        return results, clock.marks[-1] if clock.cuda else None
 
-    def _synchronize(self) -> None:
-        if self.encoder.device.type == "cuda":
-            torch.cuda.synchronize(self.encoder.device)
+    def _copy_stage(self, on_device: list, done: Any, timing: _Timing) -> list:
+        """Copy thread: each image's features into a host buffer of its own (one copy), on
+        this thread's CUDA stream after ``done``, while the forward thread goes on."""
+        started = time.perf_counter()
+        if done is None:
+            results = [_to_host(r) for r in on_device]
+        else:
+            stream = self._copy_stream
+            with torch.cuda.stream(stream):
+                stream.wait_event(done)
+                for r in on_device:
+                    if isinstance(r, torch.Tensor):
+                        r.record_stream(stream)  # not reused before this copy ends
+                results = [_to_host(r) for r in on_device]
+        timing.copy_ms = (time.perf_counter() - started) * 1e3
+        return results
 
     def _finish(self, batch: list[_Queued], results: list) -> None:
         self.counters.batches += 1
@@ -300,9 +399,9 @@ class RankBatcher:
             if q.key is not None:
                 self._in_flight.pop(q.key, None)
                 if not isinstance(result, BaseException):
-                    # Own memory: a view would pin the whole batch's output in the cache.
-                    result = result.copy()
-                    self.cache.put(q.key, result)
+                    self.cache.put(q.key, result)  # its own buffer: kept as is
+            if q.future.done():  # cancelled while its forward ran
+                continue
             if isinstance(result, BaseException):
                 q.future.set_exception(result)
             else:
@@ -311,8 +410,57 @@ class RankBatcher:
             self._outstanding.remove(caller, Work.of(patches))
 
 
-def raise_first_error(results: list, indices: Sequence[int]) -> list[np.ndarray]:
-    """The arrays, or the first item's error named by its request index."""
+class _StageClock:
+    """Milliseconds between marks: CUDA events on a GPU (no global synchronize; the
+    copies to the host wait for the forward anyway), wall time on a CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans_ms(self) -> list[float]:
+        pairs = zip(self.marks, self.marks[1:], strict=False)
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) for a, b in pairs]
+        return [(b - a) * 1e3 for a, b in pairs]
+
+
+def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
+    started = time.perf_counter()
+    return fn(*args), (time.perf_counter() - started) * 1e3
+
+
+def _to_host(result: Any) -> Any:
+    """An image's features (already in their dtype) in a host buffer of their own."""
+    if not isinstance(result, torch.Tensor):
+        return result  # its error
+    out = torch.empty(result.shape, dtype=result.dtype, device="cpu")
+    out.copy_(result)
+    return out
+
+
+def _call_stages(queued: list[_Queued]) -> dict[str, float]:
+    """One call's stages from the batches its images were in (each batch counted once)."""
+    timings = {q.timing.batch: (q, q.timing) for q in queued}.values()
+    return {
+        "queue_wait": max(((t.started - q.arrived) * 1e3 for q, t in timings), default=0.0),
+        "preprocess": sum(t.host_ms + t.device_ms for _, t in timings),
+        "forward": sum(t.forward_ms + t.copy_ms for _, t in timings),
+    }
+
+
+def raise_first_error(results: list, indices: Sequence[int]) -> list:
+    """The results, or the first item's error named by its request index."""
     for index, result in zip(indices, results, strict=True):
         if isinstance(result, EncoderInputError):
             # type(result): a LimitExceededError stays one (413), with the culprit named.

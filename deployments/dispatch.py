@@ -122,9 +122,12 @@ class Dispatcher:
     def loads(self) -> list[float]:
         return rank_loads(self._own, self._reports, self.caller, self.cost_model)
 
-    def plan(self, items: Sequence[EncoderItem], exclude: Collection[int] = ()) -> Plan:
-        """Owners of ``items``; ranks in ``exclude`` (down, deployments/failover.py) get none."""
-        keys = [item_key(item, self.model_name, self.dtype) for item in items]
+    def plan(
+        self, items: Sequence[EncoderItem], feature_dtype: str, exclude: Collection[int] = ()
+    ) -> Plan:
+        """Owners of ``items`` (their features wanted in ``feature_dtype``); ranks in
+        ``exclude`` (down) get none."""
+        keys = [item_key(item, self.model_name, f"{self.dtype}->{feature_dtype}") for item in items]
         seen: dict[str, int] = {}
         first = [seen.setdefault(key, i) for i, key in enumerate(keys)]
         unique = sorted(seen.values())

@@ -82,7 +82,12 @@ class RankClient(Protocol):
     """What the fan-out needs of one rank."""
 
     def encode(
-        self, indices: list[int], items: list[EncoderItem], sent_at: float, caller: str
+        self,
+        indices: list[int],
+        items: list[EncoderItem],
+        sent_at: float,
+        caller: str,
+        feature_dtype: str,
     ) -> Call: ...
 
     def load(self) -> Call: ...
@@ -103,10 +108,12 @@ class RankAnswer:
 
 @dataclass
 class Gathered:
-    """Every item's features in request order, who encoded it, and each rank's answer."""
+    """Every item's features in request order (views of the ranks' arrays, in ``dtype``'s
+    storage, see ``kimi_encoder.features``), who encoded it, and each rank's answer."""
 
     features: list[np.ndarray]
     owners: list[int]
+    dtype: str
     answers: dict[int, RankAnswer] = field(default_factory=dict)
     redispatched: int = 0
 
@@ -193,10 +200,10 @@ class FanOut:
         self.timeout_s = timeout_s
         self.in_flight = in_flight or (lambda _: nullcontext())
 
-    async def run(self, items: Sequence[EncoderItem]) -> Gathered:
+    async def run(self, items: Sequence[EncoderItem], feature_dtype: str) -> Gathered:
         """Features of every item, in order; raises the first non-retryable error."""
         deadline = time.monotonic() + self.timeout_s
-        gathered = Gathered([None] * len(items), [-1] * len(items))  # type: ignore[list-item]
+        gathered = Gathered([None] * len(items), [-1] * len(items), feature_dtype)  # type: ignore[list-item]
         pending = list(range(len(items)))  # request indices still without features
         await self.dispatcher.refresh(self.ranks, skip=self.health.down())
         while pending:
@@ -225,33 +232,42 @@ class FanOut:
     ) -> list[int]:
         """Send ``pending`` to the ranks not ``down``; fill ``gathered``; what is left."""
         subset = [items[i] for i in pending]
-        plan = self.dispatcher.plan(subset, exclude=down)  # duplicates once; costs, loads
+        dtype = gathered.dtype
+        plan = self.dispatcher.plan(subset, dtype, exclude=down)  # duplicates once; costs, loads
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
+        caller = self.dispatcher.caller
         calls = {
             rank: self.ranks[rank].encode(
-                [pending[j] for j in idx], [subset[j] for j in idx], sent_at, self.dispatcher.caller
+                [pending[j] for j in idx], [subset[j] for j in idx], sent_at, caller, dtype
             )
             for rank, idx in plan.groups.items()
         }
         groups = {rank: [subset[j] for j in idx] for rank, idx in plan.groups.items()}
         with self.in_flight(groups), self.dispatcher.dispatched(plan):
             outcomes = await settle_within(list(calls.values()), deadline, self.timeout_s)
-        answers = self._take(plan, dict(zip(calls, outcomes, strict=True)))
+        answers = self._take(plan, dict(zip(calls, outcomes, strict=True)), gathered)
         gathered.answers.update(answers)
-        # Where each encoded copy sits in its rank's answer; a duplicate shares its copy's.
-        position = {i: k for idx in plan.groups.values() for k, i in enumerate(idx)}
+        # Each encoded copy's rows in its rank's array; a duplicate shares its copy's.
+        rows: dict[int, np.ndarray] = {}
+        for rank, answer in answers.items():
+            ends = np.cumsum(answer.result["rows"])
+            for i, start, end in zip(
+                plan.groups[rank], ends - answer.result["rows"], ends, strict=True
+            ):
+                rows[i] = answer.result["features"][start:end]
         left = []
         for j, request_index in enumerate(pending):
             owner = plan.owners[j]
-            answer = answers.get(owner)
-            if answer is None:
+            if owner not in answers:
                 left.append(request_index)
                 continue
-            gathered.features[request_index] = answer.result["features"][position[plan.first[j]]]
+            gathered.features[request_index] = rows[plan.first[j]]
             gathered.owners[request_index] = owner
         return left
 
-    def _take(self, plan: Plan, outcomes: dict[int, Any]) -> dict[int, RankAnswer]:
+    def _take(
+        self, plan: Plan, outcomes: dict[int, Any], gathered: Gathered
+    ) -> dict[int, RankAnswer]:
         """The ranks that answered; marks unavailable ones down; raises any other error."""
         answers: dict[int, RankAnswer] = {}
         error: BaseException | None = None
@@ -264,7 +280,8 @@ class FanOut:
                 result, arrived_at = outcome
                 self.health.mark_up(rank)
                 assert result["rank"] == rank, (result["rank"], rank)
-                assert len(result["features"]) == len(plan.groups[rank]), (rank, plan.groups)
+                assert len(result["rows"]) == len(plan.groups[rank]), (rank, plan.groups)
+                assert result["dtype"] == gathered.dtype, (result["dtype"], gathered.dtype)
                 self.dispatcher.observe(rank, result.get("load"))
                 answers[rank] = RankAnswer(rank, result, arrived_at)
         if error is not None:

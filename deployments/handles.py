@@ -84,12 +84,16 @@ class RankHandle:
         self.handle = handle
 
     def encode(
-        self, indices: list[int], items: list[EncoderItem], sent_at: float, caller: str
+        self,
+        indices: list[int],
+        items: list[EncoderItem],
+        sent_at: float,
+        caller: str,
+        feature_dtype: str,
     ) -> RankCall:
         encode = self.handle.encode
-        return RankCall(
-            self.rank, lambda: encode.remote(indices, items, sent_at=sent_at, caller=caller)
-        )
+        kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
+        return RankCall(self.rank, lambda: encode.remote(indices, items, **kwargs))
 
     def load(self) -> RankCall:
         return RankCall(self.rank, self.handle.load.remote)

@@ -88,13 +88,10 @@ class EncodeServer:
             self.api_key.check(request)
             admitted = await self.admission.admit(request)
             trace.admitted(admitted.items)
-            gathered = await self.fanout.run(admitted.items)
+            gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
             trace.gathered(gathered)
             if admitted.response_format == "safetensors":
-                grids = [item.grid for item in admitted.items]
-                response = safetensors_response(
-                    self.model_name, grids, gathered.features, gathered.owners, {}
-                )
+                response = safetensors_response(self.model_name, admitted, gathered)
                 response.headers["X-Timings-Ms"] = json.dumps(trace.timings())
                 return response
             return json_response(self.model_name, admitted, gathered, trace.timings)
@@ -107,6 +104,7 @@ class EncodeServer:
             "model": self.model_name,
             **self.vision.summary(),
             "dtype": self.args.dtype,
+            "feature_dtype": self.args.default_feature_dtype,
             "device": self.args.rank_device,
             "preprocess_backend": self.args.default_backend,
             "dp_size": len(self.ranks),

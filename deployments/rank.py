@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.features import dtype_name, to_numpy
 from kimi_encoder.items import EncoderItem
 
 from .args import AppArgs
@@ -87,8 +88,11 @@ class EncoderRank:
         items: Sequence[EncoderItem],
         sent_at: float | None = None,
         caller: str = "",
+        feature_dtype: str | None = None,
     ) -> dict:
-        """Features of ``items`` (one contiguous float32 array each, input order).
+        """Features of ``items``: one contiguous array, their rows in input order, in
+        ``feature_dtype`` (the model's by default; bfloat16 as uint16 words, see
+        ``kimi_encoder.features``), with each item's row count.
 
         ``indices`` are the request's item indices, used only to name a bad item;
         ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
@@ -103,14 +107,18 @@ class EncoderRank:
         try:
             async with self.leases.hold(items_bytes(items, self.vision)):
                 self.metrics.leased(self.leases.held)
-                results, batch_stages = await self.batcher.encode(items, caller)
+                results, batch_stages = await self.batcher.encode(items, caller, feature_dtype)
         finally:
             self.metrics.leased(self.leases.held)
         stages["queue_wait"] = stages.get("queue_wait", 0.0) + batch_stages.pop("queue_wait")
         stages.update(batch_stages)
-        arrays = raise_first_error(results, indices)
+        tensors = raise_first_error(results, indices)
+        # One buffer for the call: crosses Ray as one zero-copy array. A single image's
+        # features already are one (its own buffer); several are concatenated once.
+        features = to_numpy(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
         backend = next((i.deferred.backend for i in items if i.deferred is not None), "none")
-        patches, tokens = sum(i.num_patches for i in items), sum(len(a) for a in arrays)
+        rows = [len(t) for t in tensors]
+        patches, tokens = sum(i.num_patches for i in items), sum(rows)
         self.metrics.encoded(len(items), patches, tokens, backend, stages)
         log.info(
             "rank %d encoded %d images (%d patches, %d tokens, %s backend) in %s ms",
@@ -124,7 +132,9 @@ class EncoderRank:
         )
         return {
             "rank": self.rank,
-            "features": arrays,
+            "features": features,
+            "dtype": dtype_name(tensors[0].dtype),
+            "rows": rows,
             "encode_ms": (time.perf_counter() - started) * 1e3,
             "stages_ms": stages,
             "done_at": time.time(),

@@ -17,6 +17,7 @@ from pydantic import (
 )
 
 ResponseFormat = Literal["json", "safetensors"]
+FeatureDtype = Literal["float32", "bfloat16", "float16"]
 
 _PNG_1X1 = (
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
@@ -108,6 +109,11 @@ class EncodeRequest(BaseModel):
     backend: str | None = Field(
         None, description="Preprocessing backend for this request: 'gpu' or 'cpu'."
     )
+    feature_dtype: FeatureDtype | None = Field(
+        None,
+        description="Element type of the returned features: float32, bfloat16 or float16; "
+        "default: the server's feature_dtype (the model's dtype unless configured).",
+    )
 
 
 class ItemFeatures(BaseModel):
@@ -122,8 +128,13 @@ class ItemFeatures(BaseModel):
         None, description="[width, height] after the NaViT resize, before padding to the grid."
     )
     shape: list[int] = Field(description="[num_tokens, text_hidden_size].")
-    dtype: Literal["float32"] = Field("float32", description="Element type of 'data'.")
-    data: str = Field(description="Base64 of the little-endian float32 features, C order.")
+    dtype: FeatureDtype = Field(
+        description="Element type of 'data': float32, float16, or bfloat16 as raw 2-byte words."
+    )
+    data: str = Field(
+        description="Base64 of the features' little-endian bytes, row after row (bfloat16: "
+        "each value's upper 16 bits of its float32)."
+    )
 
 
 class Usage(BaseModel):
@@ -255,11 +266,12 @@ _MULTIPART_SCHEMA = {
         },
         "response_format": {"type": "string", "enum": ["json", "safetensors"], "default": "json"},
         "backend": {"type": "string", "enum": ["gpu", "cpu"]},
+        "feature_dtype": {"type": "string", "enum": ["float32", "bfloat16", "float16"]},
     },
 }
 _SAFETENSORS_DOC = (
-    "safetensors file: features.{i} float32, grid_thw.{i} int64 [1, 3]; "
-    "metadata 'owner_ranks' (JSON list) and 'model'."
+    "safetensors file: features.{i} (F32, BF16 or F16: the feature dtype), grid_thw.{i} "
+    "int64 [1, 3]; metadata 'owner_ranks' (JSON list) and 'model'."
 )
 # Keyword arguments of the route decorator.
 ENCODE_OPENAPI: dict[str, Any] = {

@@ -1,17 +1,19 @@
 """Response bodies built from the ranks' feature arrays with one copy of the payload.
 
-The ranks return contiguous float32 arrays; on the ingress they are read-only
-views of the object store. A body is then written once:
+The ranks return one contiguous array per call in the feature dtype (bfloat16 as
+raw 16-bit words, ``kimi_encoder.features``); on the ingress each item's
+features are a row slice of one of them, a read-only view of the object store.
+A body is then written once, never upcast:
 
 - JSON: the envelope (everything but the feature data) is dumped with
   ``json.dumps`` as usual, with a marker where each ``data`` string goes; the
-  markers are replaced by the base64 of each array, encoded straight from the
-  array's buffer, and the pieces joined once. The straightforward path copies
-  each array to ``bytes``, encodes, decodes to ``str``, dumps the whole
-  document to a ``str`` and encodes that to UTF-8: four more full copies.
-- safetensors: header, then each array's buffer (``memoryview``) joined once;
+  markers are replaced by the base64 of each slice, encoded straight from its
+  buffer, and the pieces joined once. The straightforward path copies each
+  array to ``bytes``, encodes, decodes to ``str``, dumps the whole document to a
+  ``str`` and encodes that to UTF-8: four more full copies.
+- safetensors: header, then each slice's buffer (``memoryview``) joined once;
   ``safetensors.numpy.save`` first copies every array to ``bytes`` and then
-  copies them all again into its output.
+  copies them all again into its output (and has no bfloat16).
 
 ``benchmarks/bench_wire.py`` measures both paths (time per MB, bytes allocated
 per payload byte).
@@ -23,24 +25,25 @@ import binascii
 import json
 import secrets
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from starlette.responses import JSONResponse, Response
 
+from kimi_encoder.features import SAFETENSORS, STORAGE
 from kimi_encoder.items import EncoderItem
 
 from .admission import Admitted
 from .fanout import Gathered
 from .schemas import ItemFeatures, Usage
 
-_DTYPES = {np.dtype("<f4"): "F32", np.dtype("<i8"): "I64", np.dtype("<f2"): "F16"}
-
 
 def b64(array: np.ndarray) -> bytes:
-    """Base64 (ASCII bytes) of a little-endian float32 array, read from its buffer in place."""
-    data = np.ascontiguousarray(array, dtype="<f4")  # no copy when it already is
+    """Base64 (ASCII bytes) of an array's little-endian bytes, read from its buffer in place
+    (a non-contiguous array is copied once)."""
+    data = np.ascontiguousarray(array)
+    assert data.dtype.byteorder != ">", data.dtype
     return binascii.b2a_base64(data.reshape(-1).view(np.uint8), newline=False)
 
 
@@ -77,19 +80,20 @@ class FeaturesJSONResponse(JSONResponse):
 
 
 def safetensors_body(
-    tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None
+    tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str] | None = None
 ) -> bytes:
-    """A safetensors file (same bytes layout as ``safetensors.numpy.save``), one copy."""
+    """A safetensors file of ``{name: (array, safetensors dtype)}`` (the layout
+    ``safetensors`` writes), the payload copied once."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
     buffers, offset = [], 0
-    for name, array in tensors.items():  # written in this order; readers use the offsets
+    for name, (array, dtype) in tensors.items():  # written in this order; readers use offsets
         array = np.ascontiguousarray(array)
-        if array.dtype.byteorder == ">" or array.dtype not in _DTYPES:
-            raise ValueError(f"{name}: dtype {array.dtype} is not a little-endian F32/F16/I64.")
+        if array.dtype.byteorder == ">" or array.dtype.itemsize != _ITEMSIZE[dtype]:
+            raise ValueError(f"{name}: a {array.dtype} array cannot be stored as {dtype}.")
         header[name] = {
-            "dtype": _DTYPES[array.dtype],
+            "dtype": dtype,
             "shape": list(array.shape),
             "data_offsets": [offset, offset + array.nbytes],
         }
@@ -100,21 +104,16 @@ def safetensors_body(
     return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
 
 
-def safetensors_response(
-    model: str,
-    grids: Sequence[tuple[int, int, int]],
-    features: Sequence[np.ndarray],
-    owners: Sequence[int],
-    headers: Mapping[str, str],
-) -> Response:
-    """``features.{i}`` float32 and ``grid_thw.{i}`` int64 ``[1, 3]`` per item, in order."""
-    tensors: dict[str, np.ndarray] = {}
-    for i, (grid, array) in enumerate(zip(grids, features, strict=True)):
-        tensors[f"features.{i}"] = array
-        tensors[f"grid_thw.{i}"] = np.asarray([grid], dtype=np.int64)
-    meta = {"model": model, "owner_ranks": json.dumps(list(owners))}
+def safetensors_response(model: str, admitted: Admitted, gathered: Gathered) -> Response:
+    """``features.{i}`` in the feature dtype and ``grid_thw.{i}`` int64 ``[1, 3]`` per item."""
+    dtype = SAFETENSORS[gathered.dtype]
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+    for i, (item, array) in enumerate(zip(admitted.items, gathered.features, strict=True)):
+        tensors[f"features.{i}"] = (array, dtype)
+        tensors[f"grid_thw.{i}"] = (np.asarray([item.grid], dtype=np.int64), "I64")
+    meta = {"model": model, "owner_ranks": json.dumps(gathered.owners)}
     body = safetensors_body(tensors, metadata=meta)
-    return Response(body, media_type="application/octet-stream", headers=dict(headers))
+    return Response(body, media_type="application/octet-stream")
 
 
 def json_response(
@@ -134,6 +133,7 @@ def json_response(
             original_size=list(item.original_size) if item.original_size else None,
             resized_size=_resized_size(item),
             shape=list(array.shape),
+            dtype=gathered.dtype,
             data="",
         ).model_dump()
         items.append(entry | {"data": array})  # base64 written straight into the body
@@ -141,6 +141,9 @@ def json_response(
     usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
     payload = {"model": model, "items": items, "usage": usage.model_dump()}
     return FeaturesJSONResponse(payload | {"timings_ms": timings()})
+
+
+_ITEMSIZE = {"I64": 8, **{SAFETENSORS[n]: STORAGE[n].itemsize for n in SAFETENSORS}}
 
 
 def _resized_size(item: EncoderItem) -> list[int] | None:

@@ -59,6 +59,9 @@ def item_key(item: EncoderItem, model_id: str, dtype: str) -> str:
     return h.hexdigest()
 
 
+Features = torch.Tensor | np.ndarray
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -69,17 +72,18 @@ class CacheStats:
 
 
 class FeatureCache:
-    """Thread-safe LRU of numpy feature arrays, bounded in bytes (0 disables it)."""
+    """Thread-safe LRU of feature arrays (torch tensors or numpy arrays), bounded in bytes
+    (0 disables it). Entries are handed out as they are, shared: never modify one."""
 
     def __init__(self, max_bytes: int):
         if max_bytes < 0:
             raise ValueError(f"cache max_bytes must be >= 0, got {max_bytes}.")
         self.max_bytes = max_bytes
-        self._data: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._data: OrderedDict[str, Features] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CacheStats()
 
-    def get(self, key: str) -> np.ndarray | None:
+    def get(self, key: str) -> Features | None:
         with self._lock:
             value = self._data.get(key)
             if value is None:
@@ -93,12 +97,12 @@ class FeatureCache:
         with self._lock:
             return key in self._data
 
-    def put(self, key: str, value: np.ndarray) -> None:
+    def put(self, key: str, value: Features) -> None:
         size = value.nbytes
         if size > self.max_bytes:
             return
-        value = np.ascontiguousarray(value)
-        value.setflags(write=False)
+        if isinstance(value, np.ndarray):
+            value.setflags(write=False)
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:

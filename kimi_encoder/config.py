@@ -402,4 +402,3 @@ def resolve_configs(checkpoint: str | Path) -> tuple[VisionConfig, PreprocessCon
         f"Checkpoint {text!r} is neither a directory nor a preset; valid presets: "
         f"{', '.join(PRESETS)}."
     )
-

@@ -9,7 +9,9 @@ projector over all items in one varlen batch.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,6 +22,17 @@ from .items import MSG_LENGTH, MSG_ONE_GRID, EncoderItem, plan_image, resolve_ba
 from .weights import load_model, random_model
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prepared:
+    """What ``VisionEncoder.prepare`` hands to ``materialize``: an item's pixels, the grid
+    they form, and, when a side stream made them, the event that says they are ready."""
+
+    pixels: torch.Tensor
+    grid: tuple[int, int, int]
+    ready: torch.cuda.Event | None = None
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,6 +83,7 @@ class VisionEncoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = resolve_backend(backend, self.device)
+        self._streams = threading.local()  # per-thread CUDA streams of prepare()
 
     @classmethod
     def from_pretrained(
@@ -106,35 +120,67 @@ class VisionEncoder:
         chosen = self.backend if backend is None else resolve_backend(backend, self.device)
         return plan_image(data, self.preprocess, chosen, **limits)
 
-    def materialize(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:
-        """Pixel values ``(t*h*w, 3, p, p)`` of each item on the device, checked."""
+    def prepare(self, item: EncoderItem) -> Prepared:
+        """An item's pixels, computed on any thread: its file decoded and preprocessed with
+        its backend (the ``gpu`` backend's torch ops on this encoder's device, on a side
+        stream of the calling thread when that is a GPU, so they overlap the forward).
+        ``materialize`` hands them to the forward, checked."""
+        if item.pixel_values is not None:
+            return Prepared(item.pixel_values, item.grid)
+        if item.deferred is None or item.image is None:
+            raise ValueError(
+                "an image item needs encoded image bytes and its deferred "
+                "preprocessing record; build it with plan_image()."
+            )
+        img = pp.decode(item.image, item.deferred.max_pixels)
+        patch = self.vision.patch_size
+        if item.deferred.backend == "cpu" or self.device.type != "cuda":
+            device = "cpu" if item.deferred.backend == "cpu" else self.device
+            return Prepared(*pp.preprocess(img, item.deferred, patch, device))
+        stream = self._side_stream()
+        with torch.cuda.stream(stream):
+            pixels, grid = pp.preprocess(img, item.deferred, patch, self.device)
+            ready = torch.cuda.Event()
+            ready.record(stream)
+        return Prepared(pixels, grid, ready)
+
+    def materialize(
+        self, items: Sequence[EncoderItem], prepared: Sequence[Prepared] | None = None
+    ) -> list[torch.Tensor]:
+        """Pixel values ``(t*h*w, 3, p, p)`` of each item on the device, checked; from its
+        ``prepare`` result when given."""
         patch = self.vision.patch_size
         out: list[torch.Tensor] = []
-        for item in items:
+        for i, item in enumerate(items):
+            host = self.prepare(item) if prepared is None else prepared[i]
+            pixels = host.pixels
+            if host.ready is not None:  # made on a side stream: this stream waits for it
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(host.ready)
+                pixels.record_stream(current)
+            pixels = pixels.to(self.device, torch.float32)
             if item.pixel_values is not None:
-                pixels = item.pixel_values.to(self.device, torch.float32)
                 if pixels.ndim != 4 or tuple(pixels.shape[1:]) != (3, patch, patch):
                     raise ValueError(
                         f"pixel_values must have shape (rows, 3, {patch}, {patch}), got "
                         f"{tuple(pixels.shape)}."
                     )
-            else:
-                if item.deferred is None or item.image is None:
-                    raise ValueError(
-                        "an image item needs encoded image bytes and its deferred "
-                        "preprocessing record; build it with plan_image()."
-                    )
-                backend = item.deferred.backend
-                pixels, grid = pp.preprocess(item.image, item.deferred, patch, self.device)
-                if grid != item.grid:
-                    raise ValueError(
-                        f"Kimi-K3 deferred {backend.upper()} preprocessing produced wrong grids: "
-                        f"{list(grid)} != admitted {list(item.grid)}"
-                    )
+            elif host.grid != item.grid:
+                raise ValueError(
+                    f"Kimi-K3 deferred {item.deferred.backend.upper()} preprocessing produced "
+                    f"wrong grids: {list(host.grid)} != admitted {list(item.grid)}"
+                )
             if pixels.shape[0] != item.num_patches:
                 raise ValueError(f"{MSG_LENGTH}: {pixels.shape[0]} != {item.num_patches}")
             out.append(pixels)
         return out
+
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The calling thread's own CUDA stream for preprocessing (one per thread)."""
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = torch.cuda.Stream(self.device)
+        return stream
 
     @torch.inference_mode()
     def encode(self, items: Sequence[EncoderItem]) -> list[torch.Tensor]:

@@ -179,7 +179,6 @@ class EncoderItem:
         return int(self.grid_thws.prod(dim=1).sum())
 
 
-
 def check_modality(modality: str | Modality, index: int | None = None) -> Modality:
     """Admission's modality gate: anything but an image is refused."""
     value = modality.value if isinstance(modality, Modality) else str(modality)
@@ -192,9 +191,7 @@ def check_modality(modality: str | Modality, index: int | None = None) -> Modali
     return Modality.IMAGE
 
 
-def check_pixels(
-    width: int, height: int, max_pixels: int | None, index: int | None = None
-) -> None:
+def check_pixels(width: int, height: int, max_pixels: int | None, index: int | None = None) -> None:
     """Refuse a ``width x height`` image over ``max_pixels`` (413), before any decode."""
     if max_pixels is not None and width * height > max_pixels:
         raise LimitExceededError(
@@ -354,4 +351,3 @@ def split_pixel_values(
         EncoderItem(grid_thws[i : i + 1].clone(), pixel_values=rows)
         for i, rows in enumerate(pixel_values.split(sizes))
     ]
-

@@ -24,10 +24,12 @@ MODES = (
 )
 
 # Rarer modes Pillow decodes from files (TIFF, IM), and modes only built in memory.
-RARE_FILE_MODES = ("YCbCr", "LAB", "I;16B", "I;16L")
-MEMORY_MODES = ("HSV", "I;16N", "RGBX", "RGBa", "La")
+RARE_FILE_MODES = ("YCbCr", "LAB", "I;16B")
+# No accepted file format reopens these modes as themselves (TIFF reopens I;16L as I;16):
+# they reach preprocessing as images in memory.
+MEMORY_MODES = ("HSV", "I;16N", "I;16L", "RGBX", "RGBa", "La")
 _FILE_FORMATS = {"CMYK": "TIFF", "I": "TIFF", "F": "TIFF", "YCbCr": "TIFF", "LAB": "TIFF"}
-_FILE_FORMATS |= {"I;16B": "TIFF", "I;16L": "IM"}  # TIFF would reopen I;16L as I;16
+_FILE_FORMATS |= {"I;16B": "TIFF"}
 
 
 def _base(size: tuple[int, int], seed: int) -> np.ndarray:

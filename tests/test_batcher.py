@@ -1,7 +1,10 @@
-"""A rank's batcher without Ray: cross-call batching, the cache, load reports, thread count.
+"""A rank's batcher without Ray: cross-call batching, the pipeline, the cache, feature
+dtypes, cancellation, load reports, thread count.
 
-The batcher is the rank's engine (deployments/batcher.py); these tests drive it
-with the real tiny encoder on an asyncio loop, as the rank's replica does.
+The batcher is the rank's engine (deployments/batcher.py); these tests drive it with
+the real tiny encoder on an asyncio loop, as the rank's replica does. Where work must
+overlap, a ``GatedEncoder`` (the real encoder whose forward waits on a gate the test
+opens) holds a batch in its forward instead of relying on a time window.
 tests/serve/test_throughput.py checks the same behaviour over HTTP.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -21,11 +25,39 @@ from kimi_encoder.items import EncoderInputError
 from kimi_encoder.load import Work
 
 SIZES = [(64, 48), (120, 90), (40, 40), (90, 45), (30, 150), (150, 30)]
+BOUND_S = 30  # generous bound of every wait on a gate: never a timing assumption
+
+
+class GatedEncoder(VisionEncoder):
+    """The tiny encoder; while ``hold`` is set, each forward waits for ``release``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hold = threading.Event()
+        self.release = threading.Event()
+        self.in_forward = threading.Event()
+        self.prepared: list[threading.Event] = []  # one per prepare call, set when done
+        self.forwards = 0
+
+    def prepare(self, item):
+        done = threading.Event()
+        self.prepared.append(done)
+        try:
+            return super().prepare(item)
+        finally:
+            done.set()
+
+    def forward(self, pixels, items):
+        self.forwards += 1
+        if self.hold.is_set():
+            self.in_forward.set()
+            assert self.release.wait(BOUND_S), "the test never released the forward"
+        return super().forward(pixels, items)
 
 
 @pytest.fixture(scope="module")
-def encoder() -> VisionEncoder:
-    return VisionEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
+def encoder() -> GatedEncoder:
+    return GatedEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +67,9 @@ def images() -> list[bytes]:
 
 def batcher(encoder, **config) -> RankBatcher:
     base = dict(max_batch_wait_ms=0.0, cache_bytes=0, calibration_grids=())
+    encoder.hold.clear()
+    encoder.release.clear()
+    encoder.in_forward.clear()
     return RankBatcher(encoder, BatchingConfig(**{**base, **config}), num_threads=1)
 
 
@@ -42,39 +77,76 @@ def one_at_a_time(encoder, items) -> list[np.ndarray]:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return [encoder.encode([item])[0].float().numpy() for item in items]
+        return [VisionEncoder.encode(encoder, [item])[0].float().numpy() for item in items]
     finally:
         torch.set_num_threads(before)
 
 
-def test_concurrent_calls_share_one_forward_and_match_unbatched(encoder, images):
-    b = batcher(encoder, max_batch_wait_ms=200.0)
+async def behind_a_held_forward(b: RankBatcher, encoder: GatedEncoder, first, calls):
+    """``first`` runs a forward that holds; ``calls`` queue behind it; then release."""
+    encoder.hold.set()
+    blocker = asyncio.ensure_future(b.encode(first, "blocker"))
+    assert await asyncio.to_thread(encoder.in_forward.wait, BOUND_S)
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    while b.load()["by_caller"].keys() <= {"blocker"}:  # the calls have queued their images
+        await asyncio.sleep(0)
+    encoder.hold.clear()
+    encoder.release.set()
+    return await blocker, await asyncio.gather(*tasks)
+
+
+def test_calls_queued_together_share_one_forward_and_match_unbatched(encoder, images):
+    b = batcher(encoder)
     calls = [[encoder.plan(images[0]), encoder.plan(images[1])], [encoder.plan(images[2])]]
     calls.append([encoder.plan(images[3])])
-
-    async def run():
-        return await asyncio.gather(*(b.encode(items, f"c{i}") for i, items in enumerate(calls)))
-
-    outputs = asyncio.run(run())
-    assert b.counters.batches == 1 and b.counters.max_batch_calls == 3
-    assert b.counters.max_batch_images == 4 and b.counters.forwarded == 4
+    coros = [b.encode(items, f"c{i}") for i, items in enumerate(calls)]
+    _, outputs = asyncio.run(behind_a_held_forward(b, encoder, [encoder.plan(images[4])], coros))
+    assert b.counters.batches == 2 and b.counters.max_batch_calls == 3
+    assert b.counters.max_batch_images == 4 and b.counters.forwarded == 5
     for items, (results, stages) in zip(calls, outputs, strict=True):
         assert set(stages) == {"queue_wait", "preprocess", "forward"}
         for got, want in zip(results, one_at_a_time(encoder, items), strict=True):
-            assert got.dtype == np.float32 and got.flags.c_contiguous
-            np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+            assert got.dtype == torch.float32 and got.is_contiguous()
+            np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-5)
+
+
+def test_next_batch_decodes_while_a_forward_runs(encoder, images):
+    """The host stage of images queued behind a running forward finishes before that
+    forward does: decode of batch k+1 overlaps the forward of batch k."""
+    b = batcher(encoder)
+
+    async def run():
+        forwards = encoder.forwards
+        encoder.hold.set()
+        first = asyncio.ensure_future(b.encode([encoder.plan(images[0])], "a"))
+        assert await asyncio.to_thread(encoder.in_forward.wait, BOUND_S)
+        start = len(encoder.prepared)
+        second = asyncio.ensure_future(b.encode([encoder.plan(d) for d in images[1:4]], "b"))
+        while len(encoder.prepared) < start + 3:
+            await asyncio.sleep(0)
+        for done in encoder.prepared[start:]:  # decoded while batch 1 is held in its forward
+            assert await asyncio.to_thread(done.wait, BOUND_S)
+        assert not first.done() and encoder.forwards == forwards + 1
+        encoder.hold.clear()
+        encoder.release.set()
+        return await first, await second
+
+    (one, _), (three, _) = asyncio.run(run())
+    assert len(one) == 1 and len(three) == 3 and b.counters.batches == 2
 
 
 def test_patch_budget_splits_batches(encoder, images):
     items = [encoder.plan(data) for data in images[:4]]
     largest = max(item.num_patches for item in items)
-    b = batcher(encoder, max_batch_patches=largest, max_batch_wait_ms=100.0)
-
-    async def run():
-        return await asyncio.gather(*(b.encode([item], "c") for item in items))
-
-    asyncio.run(run())
-    assert b.counters.forwarded == 4 and b.counters.batches >= 2
+    b = batcher(encoder, max_batch_patches=largest)
+    coros = [b.encode([item], "c") for item in items]
+    asyncio.run(behind_a_held_forward(b, encoder, [encoder.plan(images[4])], coros))
+    groups, used = 0, largest  # first in, first out, each batch within the budget
+    for item in items:
+        if used + item.num_patches > largest:
+            groups, used = groups + 1, 0
+        used += item.num_patches
+    assert groups >= 2 and b.counters.forwarded == 5 and b.counters.batches == 1 + groups
 
 
 def test_cache_hit_skips_preprocessing_and_forward(encoder, images):
@@ -84,7 +156,7 @@ def test_cache_hit_skips_preprocessing_and_forward(encoder, images):
     assert (b.counters.preprocessed, b.counters.forwarded, b.counters.cache_hits) == (1, 1, 0)
     (again,), _ = asyncio.run(b.encode([encoder.plan(images[0])], "c"))
     assert (b.counters.preprocessed, b.counters.forwarded, b.counters.cache_hits) == (1, 1, 1)
-    np.testing.assert_array_equal(first, again)
+    assert again is first  # the cached buffer itself: no copy on the way in or out
 
 
 def test_transposed_image_and_background_change_miss(encoder, images):
@@ -93,7 +165,7 @@ def test_transposed_image_and_background_change_miss(encoder, images):
     tall, wide = (encoder.plan(gray_png(raw, size)) for size in ((30, 150), (150, 30)))
     (f_tall, f_wide), _ = asyncio.run(b.encode([tall, wide], "c"))
     assert b.counters.cache_hits == 0 and b.counters.forwarded == 2
-    assert f_tall.shape != f_wide.shape or not np.array_equal(f_tall, f_wide)
+    assert f_tall.shape != f_wide.shape or not torch.equal(f_tall, f_wide)
 
     rgba = encoder.plan(images[1])  # RGBA: the background shows
     asyncio.run(b.encode([rgba], "c"))
@@ -104,44 +176,88 @@ def test_transposed_image_and_background_change_miss(encoder, images):
     (f_white,), _ = asyncio.run(b.encode([white], "c"))
     assert b.counters.cache_hits == 0 and b.counters.forwarded == 4
     (f_again,), _ = asyncio.run(b.encode([encoder.plan(images[1])], "c"))
-    assert b.counters.cache_hits == 1 and not np.array_equal(f_again, f_white)
+    assert b.counters.cache_hits == 1 and not torch.equal(f_again, f_white)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_feature_dtype_is_the_float32_features_rounded(encoder, images, dtype):
+    """Cast on the device before the copy: equal to the float32 features rounded to the
+    dtype; the cache keeps each dtype apart."""
+    b = batcher(encoder, cache_bytes=1 << 20)
+    item = encoder.plan(images[2])
+    (full,), _ = asyncio.run(b.encode([item], "c"))
+    (low,), _ = asyncio.run(b.encode([encoder.plan(images[2])], "c", dtype))
+    assert low.dtype == getattr(torch, dtype) and b.counters.cache_hits == 0
+    assert torch.equal(low, full.to(low.dtype))
+    (again,), _ = asyncio.run(b.encode([encoder.plan(images[2])], "c", dtype))
+    assert again is low and b.counters.cache_hits == 1
+    with pytest.raises(ValueError, match="feature dtype 'int8' is not supported"):
+        asyncio.run(b.encode([item], "c", "int8"))
 
 
 def test_duplicates_in_flight_are_encoded_once(encoder, images):
-    b = batcher(encoder, cache_bytes=1 << 20, max_batch_wait_ms=100.0)
+    b = batcher(encoder, cache_bytes=1 << 20)
+    coros = [b.encode([encoder.plan(images[1])], f"c{i}") for i in range(3)]
+    _, outputs = asyncio.run(behind_a_held_forward(b, encoder, [encoder.plan(images[0])], coros))
+    assert b.counters.forwarded == 2 and b.counters.joined_in_flight == 2
+    for (result,), _ in outputs[1:]:
+        assert result is outputs[0][0][0]
+
+
+def test_a_cancelled_call_takes_back_its_queued_images(encoder, images):
+    """Images nobody waits for any more never reach the tower; a shared one still does."""
+    b = batcher(encoder, cache_bytes=1 << 20)
 
     async def run():
-        calls = [b.encode([encoder.plan(images[1])], f"c{i}") for i in range(3)]
-        return await asyncio.gather(*calls)
+        encoder.hold.set()
+        first = asyncio.ensure_future(b.encode([encoder.plan(images[0])], "a"))
+        assert await asyncio.to_thread(encoder.in_forward.wait, BOUND_S)
+        gone = asyncio.ensure_future(b.encode([encoder.plan(d) for d in images[1:4]], "gone"))
+        stays = asyncio.ensure_future(b.encode([encoder.plan(images[3])], "stays"))
+        while set(b.load()["by_caller"]) != {"a", "gone"}:
+            await asyncio.sleep(0)
+        gone.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        during = b.load()["by_caller"]
+        encoder.hold.clear()
+        encoder.release.set()
+        return during, await first, await stays
 
-    outputs = asyncio.run(run())
-    assert b.counters.forwarded == 1 and b.counters.joined_in_flight == 2
-    for (result,), _ in outputs[1:]:
-        np.testing.assert_array_equal(result, outputs[0][0][0])
+    during, _, (shared, _) = asyncio.run(run())
+    assert set(during) == {"a", "gone"}  # "gone" keeps only the image "stays" awaits
+    assert during["gone"] == Work.of([encoder.plan(images[3]).num_patches]).as_list()
+    assert b.counters.dropped == 2 and b.counters.forwarded == 2
+    assert b.load()["by_caller"] == {} and not b._in_flight
+    assert shared[0].shape[0] > 0
 
 
 def test_bad_image_fails_only_its_own_call(encoder, images):
-    b = batcher(encoder, max_batch_wait_ms=100.0)
+    b = batcher(encoder)
     good, bad = encoder.plan(images[0]), encoder.plan(images[1])
     bad.image = bad.image[: len(bad.image) // 2]  # header intact, body cut
-
-    async def run():
-        return await asyncio.gather(b.encode([good], "a"), b.encode([bad], "b"))
-
-    (ok, _), (failed, _) = asyncio.run(run())
-    assert isinstance(ok[0], np.ndarray)
+    coros = [b.encode([good], "a"), b.encode([bad], "b")]
+    _, ((ok, _), (failed, _)) = asyncio.run(
+        behind_a_held_forward(b, encoder, [encoder.plan(images[2])], coros)
+    )
+    assert isinstance(ok[0], torch.Tensor) and b.counters.max_batch_images == 2
     assert isinstance(failed[0], EncoderInputError)
 
 
 def test_load_report_counts_queued_work_by_caller(encoder, images):
-    b = batcher(encoder, max_batch_wait_ms=300.0, max_batch_patches=1 << 20)
+    b = batcher(encoder)
     items = [encoder.plan(data) for data in images[:3]]
 
     async def run():
+        encoder.hold.set()
         task = asyncio.ensure_future(b.encode(items[:2], "ingress-a"))
+        assert await asyncio.to_thread(encoder.in_forward.wait, BOUND_S)
         other = asyncio.ensure_future(b.encode(items[2:], "ingress-b"))
-        await asyncio.sleep(0.05)  # both queued, the batch window still open
+        while "ingress-b" not in b.load()["by_caller"]:
+            await asyncio.sleep(0)
         report = b.load()
+        encoder.hold.clear()
+        encoder.release.set()
         await asyncio.gather(task, other)
         return report, b.load()
 
@@ -159,7 +275,7 @@ def test_forward_thread_uses_the_allotted_threads(encoder):
     assert b.worker_threads == 2 and b.info()["num_threads"] == 2
 
 
-def test_calibration_fits_a_cost_that_grows(encoder):
+def test_calibration_fits_a_cost_that_never_falls(encoder):
     b = batcher(encoder, calibration_grids=(4, 8, 16))
     model = b.cost_model
     # non-negative terms: never decreasing (strictly growing is a timing, not a property)

@@ -61,17 +61,20 @@ class FakeRank:
         self.calls: list[list[int]] = []  # request indices of each encode call
         self.cancelled = 0
 
-    def encode(self, indices, items, sent_at, caller) -> FakeCall:
+    def encode(self, indices, items, sent_at, caller, feature_dtype) -> FakeCall:
         self.calls.append(list(indices))
-        return FakeCall(self._encode(list(indices), list(items)))
+        return FakeCall(self._encode(list(indices), list(items), feature_dtype))
 
-    async def _encode(self, indices, items):
+    async def _encode(self, indices, items, feature_dtype):
         try:
             if self.behaviour is not None:
                 await self.behaviour(self.rank, indices, items)
-            return {
+            features = [features_of(item) for item in items]
+            return {  # the rank's contract: one array, each item's row count
                 "rank": self.rank,
-                "features": [features_of(item) for item in items],
+                "features": np.concatenate(features),
+                "dtype": feature_dtype,
+                "rows": [len(f) for f in features],
                 "encode_ms": 1.0,
                 "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
                 "done_at": 0.0,
@@ -127,7 +130,7 @@ def test_all_ranks_answer_in_request_order():
     ranks = [FakeRank(0), FakeRank(1)]
     fanout, health = fan_out(ranks)
     request = items(6)
-    gathered = asyncio.run(fanout.run(request))
+    gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     assert gathered.redispatched == 0 and health.down() == set()
     assert sorted(i for r in ranks for call in r.calls for i in call) == list(range(6))
@@ -149,7 +152,7 @@ def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
     ranks = [FakeRank(0, signal), FakeRank(1, die_after_send)]
     fanout, health = fan_out(ranks)
     request = items(6, seed=10)
-    gathered = asyncio.run(fanout.run(request))
+    gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     lost = ranks[1].calls[0]
     assert lost and gathered.redispatched == len(lost)
@@ -165,7 +168,7 @@ def test_every_rank_down_is_no_rank_available_with_retry_after():
     ranks = [FakeRank(0, unavailable), FakeRank(1, unavailable)]
     fanout, health = fan_out(ranks, cooldown_s=30)
     with pytest.raises(NoRankAvailableError, match="retry after 30 s") as info:
-        asyncio.run(fanout.run(items(4)))
+        asyncio.run(fanout.run(items(4), "float32"))
     assert info.value.retry_after_s == 30 and health.down() == {0, 1}
 
 
@@ -177,7 +180,7 @@ def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
     fanout, health = fan_out(ranks)
     request = items(4, seed=20)
     with pytest.raises(EncoderInputError, match=r"item \d: cannot decode"):
-        asyncio.run(fanout.run(request))
+        asyncio.run(fanout.run(request, "float32"))
     assert len(ranks[0].calls) == 1 and len(ranks[1].calls) == 1  # one round only
     assert health.down() == set() and health.redispatched == 0
 
@@ -191,7 +194,7 @@ def test_timeout_cancels_every_call():
     ranks = [FakeRank(0, hang), FakeRank(1, hang)]
     fanout, _ = fan_out(ranks, timeout_s=0.05)
     with pytest.raises(RequestTimeoutError, match="request_timeout_s=0.05 s"):
-        asyncio.run(fanout.run(items(4, seed=30)))
+        asyncio.run(fanout.run(items(4, seed=30), "float32"))
     assert [r.cancelled for r in ranks] == [1, 1]
 
 
@@ -200,7 +203,7 @@ def test_duplicates_are_encoded_once_and_share_their_features():
     fanout, _ = fan_out(ranks)
     distinct = items(3, seed=40)
     request = [distinct[0], distinct[1], distinct[0], distinct[2], distinct[0]]
-    gathered = asyncio.run(fanout.run(request))
+    gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     sent = sorted(i for r in ranks for call in r.calls for i in call)
     assert sent == [0, 1, 3]  # the copies at 2 and 4 were never sent

@@ -71,6 +71,14 @@ def test_choose_attention(requested, device, dtype, capability, present, kernel)
     assert m.choose_attention(requested, device, dtype, capability, fn) == kernel
 
 
+def test_auto_takes_sdpa_for_large_images_on_cuda():
+    """Measured on an H200: per-image SDPA beats varlen_attn once images are large."""
+    below, at = m.VARLEN_BELOW_MEAN_PATCHES - 1, m.VARLEN_BELOW_MEAN_PATCHES
+    assert m.choose_attention("auto", "cuda", BF16, H200, _varlen_stand_in, below) == "varlen"
+    assert m.choose_attention("auto", "cuda", BF16, H200, _varlen_stand_in, at) == "sdpa"
+    assert m.choose_attention("varlen", "cuda", BF16, H200, _varlen_stand_in, at) == "varlen"
+
+
 def test_forced_varlen_where_it_cannot_run():
     with pytest.raises(
         ValueError, match=r"attention 'varlen' needs a CUDA device .* got device 'cpu'"
