@@ -28,11 +28,14 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m benchmarks
 
-# Optional extras for the browser and terminal tests (they skip without them):
-# Debian's chromium and tmux (needs root), and playwright-core from npm.
+# Optional extras for the browser, terminal and Prometheus tests (they skip without
+# them): Debian's chromium, tmux and prometheus (needs root), and playwright-core from
+# npm. The test runs /usr/bin/prometheus itself on a free port; where systemd runs, the
+# package also starts a service of its own on :9090 (Docker images deny that start).
 system-deps:
-	command -v chromium >/dev/null && command -v tmux >/dev/null || \
-	  (apt-get update -qq && apt-get install -y -qq chromium tmux >/dev/null)
+	command -v chromium >/dev/null && command -v tmux >/dev/null && test -x /usr/bin/prometheus || \
+	  (apt-get update -qq && apt-get install -y -qq chromium tmux >/dev/null && \
+	   apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
 
 browser-deps:
 	npm ci --prefix tests/browser --no-audit --no-fund --silent

@@ -1,13 +1,16 @@
-"""Metrics on the Prometheus endpoint and request ids in the JSON logs, on an app of its own.
+"""Metrics, the Grafana dashboard and request ids in the JSON logs, on an app of its own.
 
 The app runs in a Ray cluster started by ``observability_server.py`` with a
 fixed metrics export port; only this module sends it traffic, so every
-counter must equal what the tests sent.
+counter must equal what the tests sent. A real Prometheus server
+(``/usr/bin/prometheus``, Debian's ``prometheus``) scrapes that port and runs
+every query of ``configs/grafana/kimi-encoder.json``; without it that test skips.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import select
@@ -19,6 +22,7 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
@@ -37,8 +41,15 @@ pytestmark = pytest.mark.serve
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = Path(__file__).with_name("observability_server.py")
 DASHBOARD = ROOT / "configs" / "grafana" / "kimi-encoder.json"
+PROMETHEUS = os.environ.get("PROMETHEUS", "/usr/bin/prometheus")
 READY_TIMEOUT_S = 180
 METRICS_TIMEOUT_S = 90
+# Values of the dashboard's variables when its queries run here: the app's name (the
+# variable is a regex on `application`), and Grafana's interval built-ins as windows
+# holding many of Prometheus' 1 s scrapes.
+QUERY_VARIABLES = {"application": "obs", "__rate_interval": "1m", "__interval": "15s"}
+REQUESTS = f"ray_{PREFIX}requests_total"
+STAGE_COUNT = f"ray_{PREFIX}stage_ms_count"
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -71,6 +82,96 @@ def app(tmp_path_factory) -> Iterator[dict]:
             process.wait()
 
 
+@pytest.fixture(scope="module")
+def prometheus(app, tmp_path_factory) -> Iterator[str]:
+    """Base URL of a Prometheus server of our own (free port, temporary storage) that
+    scrapes the app's metrics endpoint every second."""
+    if not Path(PROMETHEUS).exists():
+        pytest.skip(
+            f"no Prometheus at {PROMETHEUS} (apt-get install prometheus, or set $PROMETHEUS)"
+        )
+    workdir = tmp_path_factory.mktemp("prometheus")
+    target = urlsplit(app["metrics_url"])
+    config = {
+        "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "ray",
+                "metrics_path": target.path,
+                "static_configs": [{"targets": [target.netloc]}],
+            }
+        ],
+    }
+    (workdir / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
+    url = f"http://127.0.0.1:{free_port()}"
+    log = workdir / "prometheus.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [
+                PROMETHEUS,
+                f"--config.file={workdir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={workdir / 'data'}",
+                f"--web.listen-address={urlsplit(url).netloc}",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not prometheus_ready(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"Prometheus not ready:\n{log.read_text()[-4000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def prometheus_ready(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/-/ready", timeout=5).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels(dashboard: dict) -> list[dict]:
+    """Every panel, those inside collapsed rows included."""
+    return [q for p in dashboard["panels"] for q in (p, *p.get("panels", []))]
+
+
+def queries(dashboard: dict) -> list[tuple[str, str, str]]:
+    """(panel title, refId, expr) of every query of the dashboard."""
+    return [
+        (p["title"], t["refId"], t["expr"]) for p in panels(dashboard) for t in p.get("targets", [])
+    ]
+
+
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+
+
+def substitute(expr: str) -> str:
+    """``expr`` with each ``$name`` or ``${name}`` replaced by its ``QUERY_VARIABLES`` value."""
+    return _VARIABLE.sub(lambda m: QUERY_VARIABLES[m.group(1) or m.group(2)], expr)
+
+
+def instant_query(prometheus: str, expr: str) -> list[dict]:
+    """The series ``expr`` evaluates to now, through Prometheus' HTTP API."""
+    response = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
+    body = response.json()
+    assert body["status"] == "success" and body["data"]["resultType"] == "vector", (expr, body)
+    return body["data"]["result"]
+
+
 def scrape(url: str) -> list[tuple[str, dict[str, str], float]]:
     samples = []
     for line in requests.get(url, timeout=10).text.splitlines():
@@ -87,11 +188,51 @@ def total(samples, name: str, **labels: str) -> float:
     )
 
 
+def ours(samples) -> dict[tuple[str, frozenset], float]:
+    """Our series of an endpoint scrape: (name, labels) -> value; labels with an empty
+    value left out, as Prometheus stores them (an empty label is no label)."""
+    return {
+        (n, frozenset((k, w) for k, w in lab.items() if w)): v
+        for n, lab, v in samples
+        if n.startswith(f"ray_{PREFIX}")
+    }
+
+
+def ours_in_prometheus(prometheus: str) -> dict[tuple[str, frozenset], float]:
+    """Our series as Prometheus holds them now, less the target labels it adds."""
+    found = {}
+    for series in instant_query(prometheus, f'{{__name__=~"ray_{PREFIX}.+"}}'):
+        labels = {k: v for k, v in series["metric"].items() if k not in ("instance", "job")}
+        name = labels.pop("__name__")
+        found[(name, frozenset(labels.items()))] = float(series["value"][1])
+    return found
+
+
+def exported(metrics_url: str, requests_count: float, forward_calls: float) -> list:
+    """The endpoint's samples once they count ``requests_count`` requests and
+    ``forward_calls`` rank calls (the metrics agent exports every few seconds)."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while True:
+        samples = scrape(metrics_url)
+        if (
+            total(samples, REQUESTS) == requests_count
+            and total(samples, STAGE_COUNT, stage="forward") == forward_calls
+        ):
+            return samples
+        if time.monotonic() > deadline:
+            pytest.fail(
+                f"metrics not exported after {METRICS_TIMEOUT_S} s: want {requests_count} "
+                f"requests and {forward_calls} forward calls, have {total(samples, REQUESTS)} "
+                f"and {total(samples, STAGE_COUNT, stage='forward')}"
+            )
+        time.sleep(1)
+
+
 def image_items(images: list[bytes]) -> list[dict]:
     return [{"type": "image", "image": b64(b)} for b in images]
 
 
-def test_metrics_count_the_traffic(app, images):
+def test_metrics_count_the_traffic(app, images, dashboard):
     url = app["url"]
     ok_bodies = []
     for chunk in (images[:3], images[3:5], images[5:9]):
@@ -129,36 +270,24 @@ def test_metrics_count_the_traffic(app, images):
             want_tokens[str(item["owner_rank"])] += item["num_tokens"]
     assert set(want_images) == {"0", "1"}, "the traffic must reach both ranks"
 
-    requests_total = f"ray_{PREFIX}requests_total"
-    deadline = time.monotonic() + METRICS_TIMEOUT_S
     started = time.monotonic()
-    while True:  # the metrics agent exports every few seconds
-        samples = scrape(app["metrics_url"])
-        if total(samples, requests_total) == sum(want_outcomes.values()) and total(
-            samples, f"ray_{PREFIX}stage_ms_count", stage="forward"
-        ) == sum(want_calls.values()):
-            break
-        if time.monotonic() > deadline:
-            pytest.fail(f"metrics not exported after {METRICS_TIMEOUT_S} s")
-        time.sleep(1)
+    samples = exported(app["metrics_url"], sum(want_outcomes.values()), sum(want_calls.values()))
     print(f"\nmetrics visible {time.monotonic() - started:.1f} s after the traffic")
 
     names = {n for n, _, _ in samples}
     missing = exported_names() - names
     assert not missing, f"not exported: {sorted(missing)}"
     for outcome, count in want_outcomes.items():
-        assert total(samples, requests_total, outcome=outcome) == count, outcome
+        assert total(samples, REQUESTS, outcome=outcome) == count, outcome
     for rank in ("0", "1"):
         assert total(samples, f"ray_{PREFIX}images_total", rank=rank) == want_images[rank]
         assert total(samples, f"ray_{PREFIX}patches_total", rank=rank) == want_patches[rank]
         assert total(samples, f"ray_{PREFIX}tokens_total", rank=rank) == want_tokens[rank]
         for stage in RANK_STAGES:  # one observation per call of that rank
-            count = total(samples, f"ray_{PREFIX}stage_ms_count", stage=stage, rank=rank)
+            count = total(samples, STAGE_COUNT, stage=stage, rank=rank)
             assert count == want_calls[rank], (stage, rank)
         assert (
-            total(
-                samples, f"ray_{PREFIX}stage_ms_count", stage="preprocess", rank=rank, backend="cpu"
-            )
+            total(samples, STAGE_COUNT, stage="preprocess", rank=rank, backend="cpu")
             == want_calls[rank]
         )
         for gauge in ("inflight_patches", "inflight_bytes"):  # nothing in flight now
@@ -181,9 +310,7 @@ def test_metrics_count_the_traffic(app, images):
         ("gather", len(ok_bodies)),
         ("end_to_end", requests_count),
     ):
-        assert (
-            total(samples, f"ray_{PREFIX}stage_ms_count", stage=stage, rank=INGRESS_RANK) == count
-        ), stage
+        assert total(samples, STAGE_COUNT, stage=stage, rank=INGRESS_RANK) == count, stage
     tagged = {
         (lab.get("deployment"), lab.get("application"))
         for n, lab, _ in samples
@@ -192,11 +319,66 @@ def test_metrics_count_the_traffic(app, images):
     assert {("EncodeServer", "obs"), ("EncoderRank_0", "obs"), ("EncoderRank_1", "obs")} <= tagged
 
     # Every query of the Grafana dashboard names a series the app exports.
-    queried = set()
-    for panel in json.loads(DASHBOARD.read_text())["panels"]:
-        for target in panel.get("targets", []):
-            queried |= set(re.findall(r"\bray_[a-z0-9_]+", target["expr"]))
+    queried = set().union(*(metric_names(expr) for _, _, expr in queries(dashboard)))
     assert queried and queried <= names, sorted(queried - names)
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\bray_[a-z0-9_]+", expr))
+
+
+def caught_up(prometheus: str, metrics_url: str) -> None:
+    """Wait until Prometheus holds each of our series with the endpoint's value."""
+    deadline = time.monotonic() + METRICS_TIMEOUT_S
+    while (held := ours_in_prometheus(prometheus)) != (want := ours(scrape(metrics_url))):
+        differ = sorted({k[0] for k in want.keys() | held.keys() if want.get(k) != held.get(k)})
+        assert time.monotonic() < deadline, f"Prometheus never held the endpoint's {differ}"
+        time.sleep(0.5)
+
+
+def send_round(url: str, images: list[bytes]) -> None:
+    """Two requests: one encoded by both ranks (a forward call on each), one refused."""
+    response = encode(url, image_items(images[:3]))
+    assert response.status_code == 200, response.text
+    assert {item["owner_rank"] for item in response.json()["items"]} == {0, 1}
+    response = encode(url, [])
+    assert response.status_code == 422, response.text
+
+
+def test_dashboard_queries_in_prometheus(app, prometheus, dashboard, images):
+    """Prometheus scrapes the app; every query of the dashboard returns finite series.
+
+    A rate needs two samples that differ inside its window, so Prometheus first holds
+    the series as they are after one round of traffic, then as they are after another.
+    """
+    samples = scrape(app["metrics_url"])  # the traffic of the tests above, all exported
+    requests_count = total(samples, REQUESTS)
+    forward_calls = total(samples, STAGE_COUNT, stage="forward")
+    for _ in range(2):
+        send_round(app["url"], images)
+        requests_count, forward_calls = requests_count + 2, forward_calls + 2
+        exported(app["metrics_url"], requests_count, forward_calls)
+        caught_up(prometheus, app["metrics_url"])
+
+    # The dashboard's `application` variable lists our app.
+    (variable,) = [v for v in dashboard["templating"]["list"] if v["name"] == "application"]
+    metric, label = re.fullmatch(r"label_values\((\w+), *(\w+)\)", variable["definition"]).groups()
+    response = requests.get(
+        f"{prometheus}/api/v1/label/{label}/values", params={"match[]": metric}, timeout=30
+    )
+    assert response.json()["data"] == [QUERY_VARIABLES["application"]], response.text
+
+    failed = []
+    for title, ref, expr in queries(dashboard):
+        result = instant_query(prometheus, substitute(expr))
+        values = {
+            ",".join(f"{k}={v}" for k, v in sorted(s["metric"].items())): float(s["value"][1])
+            for s in result
+        }
+        print(f"{title} [{ref}]: {values}")
+        if not values or not all(math.isfinite(v) for v in values.values()):
+            failed.append((title, ref, substitute(expr), values))
+    assert not failed, failed
 
 
 def read_log_lines(session_dir: str, request_id: str) -> dict[str, list[dict]]:
@@ -269,3 +451,52 @@ def test_generated_request_id_is_returned_and_logged(app):
             "ranks_ms": {},
         }
     ]
+
+
+def test_is_a_dashboard(dashboard):
+    assert {"title", "uid", "panels", "templating", "schemaVersion", "time"} <= set(dashboard)
+    assert dashboard["uid"] == "kimi-encoder" and isinstance(dashboard["schemaVersion"], int)
+    ids = [p["id"] for p in panels(dashboard)]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    for panel in panels(dashboard):
+        grid = panel["gridPos"]
+        assert set(grid) == {"h", "w", "x", "y"} and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert panel["title"], panel["id"]
+        if panel["type"] == "row":
+            continue
+        assert panel["type"] == "timeseries" and panel["datasource"]["uid"] == "${datasource}"
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs)), panel["title"]
+        assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
+
+
+def test_variables_are_defined(dashboard):
+    """Each variable a panel uses is the dashboard's own or Grafana's (``$__...``), and
+    ``QUERY_VARIABLES`` has a value for each one a query uses."""
+    defined = {v["name"] for v in dashboard["templating"]["list"]}
+    used = {a or b for a, b in _VARIABLE.findall(json.dumps(dashboard["panels"]))}
+    assert {u for u in used if not u.startswith("__")} <= defined, used - defined
+    queried = {a or b for _, _, expr in queries(dashboard) for a, b in _VARIABLE.findall(expr)}
+    assert queried <= set(QUERY_VARIABLES), queried - set(QUERY_VARIABLES)
+
+
+def test_every_query_names_an_exported_metric(dashboard):
+    named = [metric_names(expr) for _, _, expr in queries(dashboard)]
+    assert all(named), "every query names a metric"
+    assert set().union(*named) <= exported_names(), set().union(*named) - exported_names()
+
+
+def test_covers_load_latency_throughput_and_errors(dashboard):
+    text = "\n".join(expr for _, _, expr in queries(dashboard))
+    for name in (
+        "inflight_patches",
+        "inflight_bytes",
+        "batch_images",
+        "images_total",
+        "patches_total",
+        "tokens_total",
+        "stage_ms_bucket",
+        "requests_total",
+    ):
+        assert f"ray_{PREFIX}{name}" in text, name
+    assert 'outcome!="ok"' in text and "histogram_quantile(0.99" in text
