@@ -8,14 +8,20 @@ from their headers alone.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
-from collections.abc import AsyncIterator, Awaitable, Callable
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from kimi_encoder.config import PreprocessConfig, VisionConfig
@@ -32,7 +38,7 @@ from kimi_encoder.items import (
     unsupported_backend,
 )
 
-from .args import AppArgs
+from .args import AppArgs, BodyPace
 from .schemas import EncodeRequest, ImageItem, ResponseFormat
 
 FORM_FIELDS = ("image", "response_format", "backend", "feature_dtype")
@@ -48,8 +54,46 @@ class UnsupportedMediaTypeError(EncoderInputError):
         )
 
 
-class FormError(EncoderInputError):
+class MalformedBodyError(EncoderInputError):
+    """A body that is not well-formed JSON or multipart (HTTP 422)."""
+
+
+class FormError(MalformedBodyError):
     """A malformed multipart body (HTTP 422)."""
+
+
+class BodyTimeoutError(EncoderInputError):
+    """The request body came too slowly (HTTP 408)."""
+
+
+class IngressBusyError(RuntimeError):
+    """This ingress replica reads as many bodies as it may at once (HTTP 503)."""
+
+    retry_after_s = 1
+
+    def __init__(self, limit: int):
+        super().__init__(
+            f"this ingress replica is reading max_concurrent_bodies={limit} request bodies "
+            f"already; retry after {self.retry_after_s} s."
+        )
+
+
+class BodySlots:
+    """At most ``limit`` bodies read at once; one more is refused at once, never queued."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.reading = 0
+
+    @contextmanager
+    def take(self) -> Iterator[None]:
+        if self.reading >= self.limit:
+            raise IngressBusyError(self.limit)
+        self.reading += 1
+        try:
+            yield
+        finally:
+            self.reading -= 1
 
 
 @dataclass
@@ -83,16 +127,21 @@ class Admission:
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind not in ("application/json", "", "multipart/form-data"):
             raise UnsupportedMediaTypeError(kind)
-        # Read (at most max_request_bytes) first, then parse from memory: a chunked upload
-        # without a Content-Length can neither fill the memory nor the temp-file disk.
-        body = await read_body(request.stream(), self.args.max_request_bytes)
+        # Read (at most max_request_bytes, at the body pace) first, then parse from memory:
+        # a chunked upload without a Content-Length can neither fill the memory nor the
+        # temp-file disk, and a trickling one cannot hold its slot for long.
+        body = await read_body(request.stream(), self.args.max_request_bytes, self.args.body_pace)
         if kind == "multipart/form-data":
             return await self._admit_form(Request(request.scope, replay(body)))
-        return self.admit_json(EncodeRequest.model_validate_json(body))
+        return self.admit_json(EncodeRequest.model_validate(parse_json(body)))
 
     async def _admit_form(self, request: Request) -> Admitted:
         limit = self.args.max_images_per_request + 1
-        async with request.form(max_files=limit, max_fields=limit + 8) as form:
+        try:
+            form = await request.form(max_files=limit, max_fields=limit + 8)
+        except HTTPException as exc:  # starlette's MultiPartException, as a 400
+            raise _multipart_error(str(exc.detail), self.args.max_images_per_request) from None
+        try:
             unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
             if unknown:
                 raise FormError(f"unknown form fields {unknown}; allowed: {sorted(FORM_FIELDS)}.")
@@ -104,6 +153,8 @@ class Admission:
                 )
             files = [await u.read() for u in uploads]
             fmt, backend, dtype = (form.get(k) or None for k in FORM_FIELDS[1:])
+        finally:
+            await form.close()
         if fmt not in (None, "json", "safetensors"):
             raise FormError(f"response_format {fmt!r} is not one of 'json', 'safetensors'.")
         if dtype not in (None, *FEATURE_DTYPES):
@@ -249,15 +300,33 @@ def _decode_pixel_values(entry: ImageItem, patch: int, index: int) -> torch.Tens
     return torch.from_numpy(array.astype(np.float32))  # writable, native-endian copy
 
 
-async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
-    """The whole request body, refused (413) as soon as it passes ``limit`` bytes.
+async def read_body(
+    chunks: AsyncIterator[bytes], limit: int, pace: BodyPace | None = None
+) -> bytes:
+    """The whole request body, refused (413) as soon as it passes ``limit`` bytes, and
+    (408) as soon as it falls behind ``pace``.
 
     Covers bodies without a Content-Length (chunked uploads): the ingress never
     buffers more than ``limit`` bytes of one request.
     """
+    pace = pace or BodyPace()
     parts: list[bytes] = []
     size = 0
-    async for chunk in chunks:
+    started = time.monotonic()
+    stream = aiter(chunks)
+    while True:
+        wait = started + pace.deadline(size) - time.monotonic()
+        try:
+            chunk = await asyncio.wait_for(anext(stream), max(wait, 0.0))
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyTimeoutError(
+                f"request body too slow: {size} bytes in {time.monotonic() - started:.1f} s; "
+                f"a body must arrive within {pace.timeout_s:g} s and, after "
+                f"{pace.grace_s:g} s, at {pace.min_bytes_per_s:g} bytes/s or more. Send it "
+                "at once, or in smaller requests."
+            ) from None
         size += len(chunk)
         if size > limit:
             raise LimitExceededError(
@@ -266,6 +335,48 @@ async def read_body(chunks: AsyncIterator[bytes], limit: int) -> bytes:
             )
         parts.append(chunk)
     return b"".join(parts)
+
+
+def parse_json(body: bytes) -> Any:
+    """The JSON document of ``body``; refuses invalid JSON and duplicate keys (422)."""
+    try:
+        return json.loads(body, object_pairs_hook=_no_duplicates)
+    except json.JSONDecodeError as exc:
+        raise MalformedBodyError(
+            f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+            "send an EncodeRequest object (see /docs)."
+        ) from None
+    except UnicodeDecodeError:
+        raise MalformedBodyError("body is not UTF-8 JSON; send an EncodeRequest object.") from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise MalformedBodyError(
+                f"JSON object has the key {key!r} more than once; send each key once."
+            )
+        out[key] = value
+    return out
+
+
+def _multipart_error(detail: str, max_images: int) -> EncoderInputError:
+    """Starlette's multipart parser errors as ours: limits are 413, the rest 422."""
+    if detail.startswith("Too many files"):
+        return LimitExceededError(
+            f"multipart body has more than max_images_per_request={max_images} files; split "
+            "it into several requests."
+        )
+    if detail.startswith(("Too many fields", "Part exceeded", "Field exceeded")):
+        return LimitExceededError(
+            f"multipart body over a form limit ({detail}); send only the 'image' files and the "
+            f"fields {list(FORM_FIELDS[1:])}."
+        )
+    return FormError(
+        f"malformed multipart body ({detail}); send multipart/form-data with "
+        "a boundary and 'image' files (curl -F image=@a.png)."
+    )
 
 
 def replay(body: bytes) -> Callable[[], Awaitable[dict]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -9,6 +10,21 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kimi_encoder.items import resolve_backend
 
 from .batcher import BatchingConfig
+
+
+@dataclass(frozen=True)
+class BodyPace:
+    """How fast a body must arrive: all of it within ``timeout_s``, and after ``grace_s``
+    at least ``min_bytes_per_s`` on average (a real client on a slow link passes; one
+    that trickles bytes to hold a connection does not)."""
+
+    timeout_s: float = 60.0
+    grace_s: float = 5.0
+    min_bytes_per_s: float = 16384.0
+
+    def deadline(self, received: int) -> float:
+        """Seconds since the body's start by which more than ``received`` bytes must be in."""
+        return min(self.timeout_s, max(self.grace_s, received / self.min_bytes_per_s))
 
 
 class ActorOptions(BaseModel):
@@ -97,6 +113,24 @@ class AppArgs(BaseModel):
         default_factory=lambda: ServeOptions(max_ongoing_requests=64, max_queued_requests=64),
         description="Serve options of every rank (queue limits, health checks, shutdown).",
     )
+    body_timeout_s: float = Field(
+        60, gt=0, description="Longest a request body may take to arrive (408 past it)."
+    )
+    body_grace_s: float = Field(
+        5, ge=0, description="Seconds a body may arrive at any pace before body_min_bytes_per_s."
+    )
+    body_min_bytes_per_s: float = Field(
+        16384,
+        gt=0,
+        description="Slowest average pace a body may arrive at after body_grace_s (408 below); "
+        "16 KiB/s lets a client on a slow link through and stops one that trickles bytes.",
+    )
+    max_concurrent_bodies: int = Field(
+        256,
+        ge=1,
+        description="Request bodies one ingress replica reads at once; past it a request gets "
+        "503 with Retry-After at once (slow uploads cannot take the encode path's slots).",
+    )
     ingress_replicas: int = Field(
         1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
     )
@@ -107,7 +141,9 @@ class AppArgs(BaseModel):
         "to keep it on the head node.",
     )
     ingress_options: ServeOptions = Field(
-        default_factory=lambda: ServeOptions(max_ongoing_requests=32, max_queued_requests=64),
+        # Many: a request waiting for its body or its ranks costs the ingress little, and
+        # bodies are capped by max_concurrent_bodies.
+        default_factory=lambda: ServeOptions(max_ongoing_requests=1024, max_queued_requests=64),
         description="Serve options of each ingress replica.",
     )
     seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
@@ -178,6 +214,23 @@ class AppArgs(BaseModel):
         "features of the images it holds at once; more images wait (one larger than the "
         "budget runs alone).",
     )
+    rank_route_timeout_s: float = Field(
+        0.5,
+        gt=0,
+        description="Longest a call waits for Serve to route it to a replica of its rank; past "
+        "it the rank counts as unavailable (dead, restarting, full) and the images go to the "
+        "other ranks.",
+    )
+    rank_slow_after_s: float = Field(
+        1.0,
+        gt=0,
+        description="A rank call with no answer after max(this, rank_slow_factor x the time the "
+        "fitted cost model expects) makes the rank slow: no new work, and the call's images are "
+        "sent to the other ranks too (first answer wins).",
+    )
+    rank_slow_factor: float = Field(
+        3.0, ge=1, description="Slack over the expected time before a call counts as late."
+    )
     rank_cooldown_s: float = Field(
         2.0,
         gt=0,
@@ -247,6 +300,10 @@ class AppArgs(BaseModel):
             calibration_grids=tuple(self.calibration_grids) if self.cost_model == "fitted" else (),
             decode_threads=self.decode_threads,
         )
+
+    @property
+    def body_pace(self) -> BodyPace:
+        return BodyPace(self.body_timeout_s, self.body_grace_s, self.body_min_bytes_per_s)
 
     @property
     def default_feature_dtype(self) -> str:

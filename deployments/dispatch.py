@@ -21,7 +21,7 @@ import statistics
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,7 +32,8 @@ from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderItem
 from kimi_encoder.load import Work, rank_loads
 
-REPORT_TIMEOUT_S = 2.0  # a rank that does not report in time counts as idle
+REPORT_TIMEOUT_S = 0.5  # a rank that does not report in time is reported as silent
+REPORT_OUTDATED_S = 1.0  # older than this a report is no view at all: a request waits for one
 HOLDERS_CAPACITY = 1 << 16  # image keys remembered for cache affinity
 
 
@@ -72,6 +73,8 @@ class Dispatcher:
         self._reported_at = [-math.inf] * num_ranks
         self._poll: asyncio.Task | None = None
         self._holders: OrderedDict[str, int] = OrderedDict()
+        # Called with (rank, error) when a rank misses its report deadline.
+        self.on_silent: Callable[[int, BaseException], None] = lambda rank, error: None
 
     @property
     def cost_model(self) -> CostModel:
@@ -81,11 +84,25 @@ class Dispatcher:
             return CostModel.patches()
         return CostModel(*(statistics.median(getattr(m, f) for m in fitted) for f in "abc"))
 
+    @property
+    def seconds_model(self) -> CostModel | None:
+        """The ranks' fitted model in seconds (median of each coefficient), if any rank
+        has reported one, whatever ``cost_model`` assignment uses."""
+        fitted = [m for m in self._models if m is not None and m != CostModel.patches()]
+        if not fitted:
+            return None
+        return CostModel(*(statistics.median(getattr(m, f) for m in fitted) for f in "abc"))
+
     async def refresh(self, ranks: Sequence[Any], skip: Collection[int] = ()) -> None:
         """Poll the ranks whose last report is older than the interval (one poll at a time).
 
-        Every encode answer carries its rank's report too (``observe``), so a busy rank
-        is rarely polled. Ranks in ``skip`` (down, deployments/failover.py) are not.
+        A request waits for the poll only when it has no recent view of some rank at all
+        (never heard from, or not for ``REPORT_OUTDATED_S``), and then at most
+        ``REPORT_TIMEOUT_S``: a rank that misses it is reported silent and skipped from
+        then on, so a hung rank holds no request. Otherwise the poll runs in the
+        background and the request uses the reports it has. Every encode answer carries
+        its rank's report too (``observe``), so a busy rank is rarely polled. Ranks in
+        ``skip`` (down) are not.
         """
         now = time.monotonic()
         stale = [
@@ -97,15 +114,19 @@ class Dispatcher:
             return
         if self._poll is None or self._poll.done():
             self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(ranks, stale))
-        await asyncio.shield(self._poll)
+        if any(now - self._reported_at[r] >= REPORT_OUTDATED_S for r in stale):
+            await asyncio.wait([self._poll], timeout=REPORT_TIMEOUT_S)
 
     async def _poll_ranks(self, ranks: Sequence[Any], stale: list[int]) -> None:
         async def one(rank: int) -> None:
+            call = ranks[rank].load()
             try:
-                report = await asyncio.wait_for(ranks[rank].load(), REPORT_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - a sick rank: no report; the encode call will say
+                report = await asyncio.wait_for(call, REPORT_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - no report: the rank is silent
+                call.cancel()
                 self._reports[rank] = None
                 self._reported_at[rank] = time.monotonic()
+                self.on_silent(rank, exc)
                 return
             self.observe(rank, report)
 
@@ -150,15 +171,23 @@ class Dispatcher:
         return Plan(owners, groups, first, keys, work)
 
     @contextmanager
-    def dispatched(self, plan: Plan) -> Iterator[None]:
-        """Count the plan's work as this replica's own until the ranks have answered."""
-        for rank, work in enumerate(plan.work):
-            self._own[rank] = self._own[rank] + work
+    def dispatched(self, plan: Plan, rank: int) -> Iterator[None]:
+        """Count the plan's work on ``rank`` as this replica's own until the rank answered."""
+        work = plan.work[rank]
+        self._own[rank] = self._own[rank] + work
         try:
             yield
         finally:
-            for rank, work in enumerate(plan.work):
-                self._own[rank] = self._own[rank] - work
+            self._own[rank] = self._own[rank] - work
+
+    def expected_s(self, plan: Plan, rank: int, patches: Sequence[int]) -> float | None:
+        """Seconds until ``rank`` answers a call of images of ``patches``, by the fitted model:
+        its outstanding work, then these images (None without a fitted model)."""
+        model = self.seconds_model
+        if model is None:
+            return None
+        queued = rank_loads(self._own, self._reports, self.caller, model)[rank]
+        return queued + sum(model(p) for p in patches)
 
     def record(self, plan: Plan, only: Collection[int] | None = None) -> None:
         """Remember which rank now caches each image (for later requests); ``only`` the

@@ -19,7 +19,12 @@ from starlette.responses import JSONResponse
 
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
-from .admission import FormError, UnsupportedMediaTypeError
+from .admission import (
+    BodyTimeoutError,
+    IngressBusyError,
+    MalformedBodyError,
+    UnsupportedMediaTypeError,
+)
 from .fanout import NoRankAvailableError, RequestTimeoutError
 from .security import UnauthorizedError
 
@@ -31,12 +36,14 @@ log = logging.getLogger("ray.serve")
 ERRORS: dict[type[BaseException], tuple[int, str]] = {
     EncoderInputError: (400, "invalid_request"),
     UnauthorizedError: (401, "unauthorized"),
+    BodyTimeoutError: (408, "body_timeout"),
     LimitExceededError: (413, "limit_exceeded"),
     UnsupportedMediaTypeError: (415, "unsupported_media_type"),
     UnsupportedFormatError: (415, "unsupported_media_type"),
-    FormError: (422, "validation_error"),
+    MalformedBodyError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
     NoRankAvailableError: (503, "unavailable"),
+    IngressBusyError: (503, "unavailable"),
     RequestTimeoutError: (504, "timeout"),
 }
 INTERNAL = (500, "internal_error")
@@ -61,8 +68,8 @@ def error_response(
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:
-    if isinstance(exc, NoRankAvailableError):
-        return {"Retry-After": str(exc.retry_after_s)}
+    if (retry := getattr(exc, "retry_after_s", None)) is not None:
+        return {"Retry-After": str(retry)}
     if isinstance(exc, UnauthorizedError):
         return {"WWW-Authenticate": "Bearer"}
     return {}

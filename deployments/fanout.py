@@ -1,18 +1,30 @@
-"""One request's images to their owner ranks and back: fan-out, re-dispatch, ordered gather.
+"""One request's images to their owner ranks and back: fan-out, re-dispatch, hedging,
+ordered gather.
 
 Ray-free: a rank is a ``RankClient`` (``deployments/handles.py`` wraps a Serve
 deployment handle; tests use plain objects). Its calls are awaitables with
 ``cancel()``; a call that fails with ``RankUnavailableError`` (the rank died, is
-being replaced, its queue is full) is not the request's fault, so its images go
-to the ranks still up, within the same request, until every image has features
-or ``request_timeout_s`` is spent. Any other error (an undecodable image, an
-encoder failure) is the answer: it would fail again anywhere.
+being replaced, its queue is full, no replica took the call in time) is not the
+request's fault, so its images go to the ranks still up, within the same
+request, until every image has features or ``request_timeout_s`` is spent. Any
+other error (an undecodable image, an encoder failure) is the answer: it would
+fail again anywhere.
 
-``RankHealth`` is this ingress replica's view of which ranks take work: a rank
-that answered unavailable gets none for ``cooldown_s``; then a background probe
-(the rank's cheap ``load`` call) brings it back as soon as it answers. With no
-rank up the request is answered at once with ``NoRankAvailableError`` (503 with
-``Retry-After``), never a hang.
+A call that is late (no answer by ``rank_slow_factor`` x the time the fitted cost
+model expects, and at least ``rank_slow_after_s``) makes its rank *slow*: the
+rank gets no new work, and the call's images are sent again to the other ranks
+while the late call goes on. Whichever answer comes first is used; the other
+call is cancelled. So a hung rank costs a request one bounded wait, not the
+request's timeout.
+
+``RankHealth`` is this ingress replica's view of which ranks take work, kept in
+the order things happened: a rank marked down (unavailable, slow, silent) gets
+no work until an answer to a call that *started after* the failure, or from
+another replica of the rank (its replacement), brings it back; a failure of a
+replica the rank has since replaced does not mark the replacement down. While
+down, a background probe (the rank's cheap ``load`` call) asks again every
+``cooldown_s``. With no rank up the request is answered at once with
+``NoRankAvailableError`` (503 with ``Retry-After``), never a hang.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,14 +48,28 @@ from .dispatch import Dispatcher, Plan
 log = logging.getLogger("ray.serve")
 
 PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
+RECHECK_S = 0.1  # how often a request whose ranks are all down looks for one back
 
 
 class RankUnavailableError(Exception):
-    """A rank call failed for a reason that is not the request's; retry on another rank."""
+    """A rank call failed for a reason that is not the request's; retry on another rank.
 
-    def __init__(self, rank: int, cause: BaseException | str):
+    ``replica`` names the rank's replica the call went to (None if it reached none),
+    ``started`` is the call's ``time.monotonic()`` at its start (None: now)."""
+
+    def __init__(
+        self,
+        rank: int,
+        cause: BaseException | str,
+        replica: str | None = None,
+        started: float | None = None,
+        slow: bool = False,
+    ):
         self.rank = rank
         self.cause = cause
+        self.replica = replica
+        self.slow = slow  # alive but late or silent: any answer brings it back
+        self.started = time.monotonic() if started is None else started
         name = type(cause).__name__ if isinstance(cause, BaseException) else "unavailable"
         first = (str(cause).splitlines() or [""])[0][:200]
         super().__init__(f"rank {rank} unavailable ({name}: {first})")
@@ -118,60 +144,112 @@ class Gathered:
     redispatched: int = 0
 
 
+@dataclass
+class _RankState:
+    down_until: float | None = None  # None: up; else when the next probe may go
+    down_at: float = -math.inf  # when it was last marked down (time.monotonic())
+    reason: str = ""
+    slow: bool = False  # down for being late or silent, not for failing
+    failed: str | None = None  # the replica whose failure marked it down, if known
+    replica: str | None = None  # the replica that last answered a call started after down_at
+    replica_since: float = -math.inf  # that call's start
+
+
 class RankHealth:
-    """Which ranks take work, as this ingress replica has seen them answer."""
+    """Which ranks take work, as this ingress replica has seen them answer (module doc)."""
 
     def __init__(self, ranks: Sequence[RankClient], cooldown_s: float):
         self.ranks = ranks
         self.cooldown_s = cooldown_s
-        self._down_until: list[float | None] = [None] * len(ranks)  # None: up
+        self._state = [_RankState() for _ in ranks]
         self._probes: list[asyncio.Task | None] = [None] * len(ranks)
-        self.failures = [0] * len(ranks)  # unavailable errors seen per rank
-        self.recoveries = [0] * len(ranks)  # times a probe found a rank back
+        self.failures = [0] * len(ranks)  # unavailable, slow or silent, per rank
+        self.recoveries = [0] * len(ranks)  # times a down rank answered again
+        self.ignored = 0  # failures of replicas already replaced
         self.redispatched = 0  # images sent again to another rank
+        self.hedged = 0  # of them, sent again while a late call went on
 
     def down(self) -> set[int]:
-        return {r for r, until in enumerate(self._down_until) if until is not None}
+        return {r for r, state in enumerate(self._state) if state.down_until is not None}
+
+    def excluded(self) -> set[int]:
+        """Ranks to give no work: every down rank while one is up; when none is up, only
+        the failed ones (slow or silent ranks still work, only later than hoped)."""
+        down = self.down()
+        if len(down) < len(self._state):
+            return down
+        return {r for r in down if not self._state[r].slow}
 
     def mark_down(self, error: RankUnavailableError) -> None:
-        rank = error.rank
-        self.failures[rank] += 1
-        self._down_until[rank] = time.monotonic() + self.cooldown_s
-        log.warning("%s; its images go to the other ranks until it answers", error)
-        if self._probes[rank] is None or self._probes[rank].done():
-            self._probes[rank] = asyncio.get_running_loop().create_task(self._recover(rank))
+        state = self._state[error.rank]
+        if (
+            error.replica is not None
+            and state.replica is not None
+            and error.replica != state.replica
+            and state.replica_since > error.started
+        ):
+            self.ignored += 1  # an old replica's failure: its replacement already answered
+            return
+        self.failures[error.rank] += 1
+        was_up = state.down_until is None
+        state.down_until = time.monotonic() + self.cooldown_s
+        state.down_at, state.reason, state.failed = time.monotonic(), str(error), error.replica
+        state.slow = error.slow
+        if was_up:
+            log.warning("%s; its images go to the other ranks until it answers", error)
+        probe = self._probes[error.rank]
+        if probe is None or probe.done():
+            self._probes[error.rank] = asyncio.get_running_loop().create_task(
+                self._recover(error.rank)
+            )
 
-    def mark_up(self, rank: int) -> None:
-        self._down_until[rank] = None
+    def mark_up(self, rank: int, replica: str | None, started: float) -> None:
+        """An answer from ``replica`` to a call started at ``started``: the rank is up
+        unless the call started before the rank was marked down, from the same replica."""
+        state = self._state[rank]
+        stale = started < state.down_at and not state.slow  # a late answer proves it lives
+        if stale and (replica is None or state.failed is None or replica == state.failed):
+            return  # a result that began before the failure says nothing of now
+        if started >= state.replica_since:
+            state.replica, state.replica_since = replica, started
+        if state.down_until is not None:
+            self.recoveries[rank] += 1
+            log.info("rank %d answers again (replica %s); it takes work", rank, replica)
+        state.down_until = None
 
     async def _recover(self, rank: int) -> None:
-        while (until := self._down_until[rank]) is not None:
+        state = self._state[rank]
+        while (until := state.down_until) is not None:
             await asyncio.sleep(max(0.0, until - time.monotonic()))
+            if state.down_until is None:
+                return
+            started = time.monotonic()
             call = self.ranks[rank].load()
             try:
                 await asyncio.wait_for(call, PROBE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - still down: another cool-down
                 call.cancel()
-                if self._down_until[rank] is not None:
-                    self._down_until[rank] = time.monotonic() + self.cooldown_s
+                if state.down_until is not None:
+                    state.down_until = time.monotonic() + self.cooldown_s
                 continue
-            if self._down_until[rank] is not None:
-                self.recoveries[rank] += 1
-                log.info("rank %d answers again; it takes work", rank)
-            self.mark_up(rank)
+            self.mark_up(rank, getattr(call, "replica", None), started)
 
     def retry_after_s(self) -> int:
         """Whole seconds until the first rank is probed again (at least 1)."""
-        pending = [u for u in self._down_until if u is not None]
+        pending = [s.down_until for s in self._state if s.down_until is not None]
         soonest = min(pending, default=0.0) - time.monotonic()
         return max(1, math.ceil(soonest))
 
     def info(self) -> dict[str, Any]:
         return {
             "ranks_up": sorted(set(range(len(self.ranks))) - self.down()),
+            "down": {r: s.reason for r, s in enumerate(self._state) if s.down_until is not None},
+            "replicas": [s.replica for s in self._state],
             "unavailable_errors": list(self.failures),
             "recoveries": list(self.recoveries),
+            "ignored_old_replica_errors": self.ignored,
             "redispatched_images": self.redispatched,
+            "hedged_images": self.hedged,
             "cooldown_s": self.cooldown_s,
         }
 
@@ -180,8 +258,24 @@ class RankHealth:
 InFlight = Callable[[dict[int, list[EncoderItem]]], AbstractContextManager]
 
 
+@dataclass
+class _Flight:
+    """One call in flight: its rank, which request items its answer covers (request
+    index -> row block of its answer), when it counts as late, what to release at its end."""
+
+    rank: int
+    call: Call
+    task: asyncio.Task
+    plan: Plan
+    covers: dict[int, int]
+    late_after_s: float
+    late_at: float  # time.monotonic()
+    late: bool = False
+    stack: ExitStack = field(default_factory=ExitStack)
+
+
 class FanOut:
-    """Sends a request's items to their owners, re-dispatches, gathers in request order."""
+    """Sends a request's items to their owners, re-dispatches, hedges, gathers in order."""
 
     def __init__(
         self,
@@ -191,6 +285,8 @@ class FanOut:
         *,
         vision: VisionConfig,
         timeout_s: float,
+        slow_after_s: float = 1.0,
+        slow_factor: float = 3.0,
         in_flight: InFlight | None = None,
     ):
         self.ranks = ranks
@@ -198,21 +294,33 @@ class FanOut:
         self.health = health
         self.vision = vision
         self.timeout_s = timeout_s
+        self.slow_after_s = slow_after_s
+        self.slow_factor = slow_factor
         self.in_flight = in_flight or (lambda _: nullcontext())
+        dispatcher.on_silent = self._silent
 
     async def run(self, items: Sequence[EncoderItem], feature_dtype: str) -> Gathered:
         """Features of every item, in order; raises the first non-retryable error."""
         deadline = time.monotonic() + self.timeout_s
-        gathered = Gathered([None] * len(items), [-1] * len(items), feature_dtype)  # type: ignore[list-item]
-        pending = list(range(len(items)))  # request indices still without features
+        n = len(items)
+        gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
         await self.dispatcher.refresh(self.ranks, skip=self.health.down())
-        while pending:
-            if len(down := self.health.down()) == len(self.ranks):
-                raise NoRankAvailableError(self.health.retry_after_s())
-            left = await self._round(pending, items, down, deadline, gathered)
-            self.health.redispatched += len(left)
-            gathered.redispatched += len(left)
-            pending = left
+        flights: list[_Flight] = []
+        try:
+            while any(f is None for f in gathered.features):
+                uncovered = self._uncovered(gathered, flights)
+                if uncovered and len(self.health.excluded()) < len(self.ranks):
+                    if flights or gathered.answers:  # sent before: this is a re-dispatch
+                        self.health.redispatched += len(uncovered)
+                        gathered.redispatched += len(uncovered)
+                    flights += self._send(uncovered, items, gathered)
+                elif uncovered and not flights:
+                    raise NoRankAvailableError(self.health.retry_after_s())
+                await self._next(flights, gathered, deadline)
+        finally:
+            for flight in flights:
+                flight.call.cancel()
+                flight.stack.close()
         for i, (item, array) in enumerate(zip(items, gathered.features, strict=True)):
             expected = (self.vision.num_tokens(item.grid), self.vision.text_hidden_size)
             if tuple(array.shape) != expected:
@@ -222,101 +330,120 @@ class FanOut:
                 )
         return gathered
 
-    async def _round(
-        self,
-        pending: list[int],
-        items: Sequence[EncoderItem],
-        down: set[int],
-        deadline: float,
-        gathered: Gathered,
-    ) -> list[int]:
-        """Send ``pending`` to the ranks not ``down``; fill ``gathered``; what is left."""
+    def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> list[int]:
+        """Request indices without features that no call is working on: no call on time,
+        or, while no rank is up to hedge to, no call at all."""
+        hedge = len(self.health.down()) < len(self.ranks)
+        covered = {i for f in flights if not (f.late and hedge) for i in f.covers}
+        return [i for i, got in enumerate(gathered.features) if got is None and i not in covered]
+
+    def _send(
+        self, pending: list[int], items: Sequence[EncoderItem], gathered: Gathered
+    ) -> list[_Flight]:
+        """One call per owner rank for ``pending`` (duplicates once), to ranks not down."""
         subset = [items[i] for i in pending]
         dtype = gathered.dtype
-        plan = self.dispatcher.plan(subset, dtype, exclude=down)  # duplicates once; costs, loads
+        plan = self.dispatcher.plan(subset, dtype, exclude=self.health.excluded())
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
-        caller = self.dispatcher.caller
-        calls = {
-            rank: self.ranks[rank].encode(
-                [pending[j] for j in idx], [subset[j] for j in idx], sent_at, caller, dtype
+        now = time.monotonic()
+        flights = []
+        for rank, idx in plan.groups.items():
+            group = [subset[j] for j in idx]
+            block = {j: k for k, j in enumerate(idx)}  # first copy -> its row block
+            covers = {
+                pending[j]: block[plan.first[j]]
+                for j in range(len(pending))
+                if plan.owners[j] == rank
+            }
+            expected = self.dispatcher.expected_s(plan, rank, [i.num_patches for i in group])
+            late_after = max(self.slow_after_s, self.slow_factor * (expected or 0.0))
+            call = self.ranks[rank].encode(
+                [pending[j] for j in idx], group, sent_at, self.dispatcher.caller, dtype
             )
-            for rank, idx in plan.groups.items()
-        }
-        groups = {rank: [subset[j] for j in idx] for rank, idx in plan.groups.items()}
-        with self.in_flight(groups), self.dispatcher.dispatched(plan):
-            outcomes = await settle_within(list(calls.values()), deadline, self.timeout_s)
-        answers = self._take(plan, dict(zip(calls, outcomes, strict=True)), gathered)
-        gathered.answers.update(answers)
-        # Each encoded copy's rows in its rank's array; a duplicate shares its copy's.
-        rows: dict[int, np.ndarray] = {}
-        for rank, answer in answers.items():
-            ends = np.cumsum(answer.result["rows"])
-            for i, start, end in zip(
-                plan.groups[rank], ends - answer.result["rows"], ends, strict=True
-            ):
-                rows[i] = answer.result["features"][start:end]
-        left = []
-        for j, request_index in enumerate(pending):
-            owner = plan.owners[j]
-            if owner not in answers:
-                left.append(request_index)
-                continue
-            gathered.features[request_index] = rows[plan.first[j]]
-            gathered.owners[request_index] = owner
-        return left
+            flight = _Flight(rank, call, _arrival(call), plan, covers, late_after, now + late_after)
+            flight.stack.enter_context(self.in_flight({rank: group}))
+            flight.stack.enter_context(self.dispatcher.dispatched(plan, rank))
+            flights.append(flight)
+        return flights
 
-    def _take(
-        self, plan: Plan, outcomes: dict[int, Any], gathered: Gathered
-    ) -> dict[int, RankAnswer]:
-        """The ranks that answered; marks unavailable ones down; raises any other error."""
-        answers: dict[int, RankAnswer] = {}
-        error: BaseException | None = None
-        for rank, outcome in outcomes.items():
-            if isinstance(outcome, RankUnavailableError):
-                self.health.mark_down(outcome)
-            elif isinstance(outcome, BaseException):
-                error = error or outcome
-            else:
-                result, arrived_at = outcome
-                self.health.mark_up(rank)
-                assert result["rank"] == rank, (result["rank"], rank)
-                assert len(result["rows"]) == len(plan.groups[rank]), (rank, plan.groups)
-                assert result["dtype"] == gathered.dtype, (result["dtype"], gathered.dtype)
-                self.dispatcher.observe(rank, result.get("load"))
-                answers[rank] = RankAnswer(rank, result, arrived_at)
+    async def _next(self, flights: list[_Flight], gathered: Gathered, deadline: float) -> None:
+        """Wait for the first call to end or to become late, then act on it."""
+        now = time.monotonic()
+        timers = [f.late_at for f in flights if not f.late] + [deadline]
+        if self._uncovered(gathered, flights):  # every rank is excluded: look again soon
+            timers.append(now + RECHECK_S)
+        done, _ = await asyncio.wait(
+            [f.task for f in flights],
+            timeout=max(0.0, min(timers) - now),
+            return_when=asyncio.FIRST_COMPLETED,
+        )
+        for flight in [f for f in flights if f.task in done]:
+            flights.remove(flight)
+            flight.stack.close()
+            self._land(flight, gathered)
+        filled = [f for f in flights if all(gathered.features[i] is not None for i in f.covers)]
+        for flight in filled:  # another call answered first: this one is a duplicate now
+            flights.remove(flight)
+            flight.call.cancel()
+            flight.stack.close()
+        now = time.monotonic()
+        for flight in flights:
+            if not flight.late and now >= flight.late_at:
+                self._late(flight, gathered)
+        if now >= deadline and any(f is None for f in gathered.features):
+            raise RequestTimeoutError(self.timeout_s)
+
+    def _land(self, flight: _Flight, gathered: Gathered) -> None:
+        """A call ended: its features fill what is still missing, or its error counts."""
+        error = flight.task.exception()
+        if isinstance(error, RankUnavailableError):
+            self.health.mark_down(error)
+            return
         if error is not None:
             raise error  # an input error or an encoder failure: never retried
-        self.dispatcher.record(plan, only=set(answers))
-        return answers
+        result, arrived_at = flight.task.result()
+        rank = flight.rank
+        assert result["rank"] == rank, (result["rank"], rank)
+        assert len(result["rows"]) == len(flight.plan.groups[rank]), (rank, flight.plan.groups)
+        assert result["dtype"] == gathered.dtype, (result["dtype"], gathered.dtype)
+        started = flight.late_at - flight.late_after_s  # when it was sent
+        self.health.mark_up(rank, getattr(flight.call, "replica", None), started)
+        self.dispatcher.observe(rank, result.get("load"))
+        self.dispatcher.record(flight.plan, only={rank})
+        gathered.answers[rank] = RankAnswer(rank, result, arrived_at)
+        ends = np.cumsum(result["rows"])
+        starts = ends - np.asarray(result["rows"])
+        for index, block in flight.covers.items():
+            if gathered.features[index] is None:  # a hedged copy may have answered first
+                gathered.features[index] = result["features"][starts[block] : ends[block]]
+                gathered.owners[index] = rank
+
+    def _late(self, flight: _Flight, gathered: Gathered) -> None:
+        """No answer by the time its load predicts: the rank is slow, the images go again."""
+        flight.late = True
+        self.health.mark_down(
+            RankUnavailableError(
+                flight.rank,
+                f"no answer within {flight.late_after_s:.2f} s, past what its load predicts",
+                replica=getattr(flight.call, "replica", None),
+                started=flight.late_at - flight.late_after_s,
+                slow=True,
+            )
+        )
+        self.health.hedged += sum(gathered.features[i] is None for i in flight.covers)
+
+    def _silent(self, rank: int, error: BaseException) -> None:
+        """A rank missed its load report's deadline: no new work until it answers."""
+        if rank not in self.health.down():
+            error = RankUnavailableError(rank, f"no load report ({error!r})", slow=True)
+            self.health.mark_down(error)
 
 
-async def settle_within(calls: Sequence[Call], deadline: float, timeout_s: float) -> list[Any]:
-    """Each call's ``(result, arrival time)`` or exception, in order, before ``deadline``
-    (``time.monotonic()``; ``timeout_s`` names the limit in the error).
+def _arrival(call: Call) -> asyncio.Task:
+    """A task of ``call`` that also notes when its answer arrived (``time.time()``)."""
 
-    One failed call does not cancel the others (its images go elsewhere). On timeout,
-    and when the request itself is cancelled (the client went away), every call is
-    cancelled: an awaited-then-abandoned call would keep running and hold its rank's
-    queue slot.
-    """
-
-    async def arrival(call: Call) -> tuple[Any, float]:
+    async def arrive() -> tuple[Any, float]:
         result = await call
         return result, time.time()
 
-    try:
-        return await asyncio.wait_for(
-            asyncio.gather(*(arrival(c) for c in calls), return_exceptions=True),
-            max(deadline - time.monotonic(), 0.0),
-        )
-    except asyncio.TimeoutError:
-        _cancel_all(calls)
-        raise RequestTimeoutError(timeout_s) from None
-    except BaseException:
-        _cancel_all(calls)
-        raise
-
-
-def _cancel_all(calls: Sequence[Call]) -> None:
-    for call in calls:
-        call.cancel()
+    return asyncio.ensure_future(arrive())

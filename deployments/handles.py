@@ -1,15 +1,23 @@
 """The ingress's rank clients: Serve deployment handles behind ``fanout.RankClient``.
 
-The one place that knows Ray's exceptions. A call's failure is translated when it
-is awaited: the errors that mean "not the request's fault, send it elsewhere"
-become ``RankUnavailableError``; an error the rank raised (an undecodable image,
-an encoder failure) is re-raised as itself, unwrapped from ``RayTaskError``.
+The one place that knows Ray's exceptions and Serve's routing. A call first asks
+Serve's router for a replica of the rank (``choose_replica``), within
+``route_timeout_s``: a dead rank's router otherwise holds new calls until a
+replacement has started (seconds on a CPU, minutes with a real checkpoint), so a
+call that finds no replica in time fails as unavailable and its images go to the
+other ranks at once. The chosen replica's id travels with the answer or the
+error, so the ingress knows which process of the rank it heard from.
+
+A call's failure is translated when it is awaited: the errors that mean "not the
+request's fault, send it elsewhere" become ``RankUnavailableError``; an error
+the rank raised (an undecodable image, an encoder failure) is re-raised as
+itself, unwrapped from ``RayTaskError``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -18,7 +26,7 @@ from ray.serve.exceptions import (
     DeploymentUnavailableError,
     ReplicaUnavailableError,
 )
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from kimi_encoder.items import EncoderItem
 
@@ -34,54 +42,69 @@ UNAVAILABLE = (
 
 
 class RankCall:
-    """A ``DeploymentResponse`` whose failures are translated when awaited (also one that
-    sending it raised at once)."""
+    """One call to a rank, running as a task from creation: route (bounded), dispatch,
+    await. ``replica`` is the replica that took it (None until routed);
+    ``started`` its ``time.monotonic()`` at creation."""
 
-    def __init__(self, rank: int, send: Callable[[], DeploymentResponse]):
+    def __init__(self, rank: int, handle: DeploymentHandle, route_timeout_s: float, *args, **kw):
         self.rank = rank
-        self.response: DeploymentResponse | None = None
-        self.error: RankUnavailableError | None = None
-        self.finished = False
-        try:
-            self.response = send()
-        except UNAVAILABLE as exc:
-            self.error = RankUnavailableError(rank, exc)
+        self.replica: str | None = None
+        self.started = time.monotonic()
+        self._task = asyncio.ensure_future(self._run(handle, route_timeout_s, args, kw))
 
     def __await__(self) -> Any:
-        if self.error is not None:
-            raise self.error
-        assert self.response is not None
-        try:
-            result = yield from self.response.__await__()
-        except asyncio.CancelledError:
-            raise  # our wait was cancelled: the call itself may still run
-        except RayTaskError as exc:
-            self.finished = True
-            if isinstance(exc.cause, UNAVAILABLE):
-                raise RankUnavailableError(self.rank, exc.cause) from exc
-            raise exc.cause from None
-        except UNAVAILABLE as exc:
-            self.finished = True
-            raise RankUnavailableError(self.rank, exc) from exc
-        except BaseException:
-            self.finished = True
-            raise
-        self.finished = True
-        return result
+        return self._task.__await__()
 
     def cancel(self) -> None:
-        """Cancel the call unless it has finished. Serve 2.60's ``cancel()`` on a response
-        whose assignment already failed (backpressure) cancels the caller's own request."""
-        if self.response is not None and not self.finished:
-            self.response.cancel()
+        """Cancel the call (a no-op once it has finished)."""
+        self._task.cancel()
+
+    async def _run(self, handle: DeploymentHandle, timeout_s: float, args, kwargs) -> Any:
+        chooser = handle.choose_replica(*args, **kwargs)
+        try:
+            selection = await asyncio.wait_for(chooser.__aenter__(), timeout_s)
+        except asyncio.TimeoutError:
+            raise self._unavailable(
+                f"no replica took the call within {timeout_s:g} s (the rank died, is "
+                "starting or its queue is full)"
+            ) from None
+        except UNAVAILABLE as exc:
+            raise self._unavailable(exc) from exc
+        self.replica = selection.replica_id
+        failure: BaseException | None = None
+        try:
+            response = handle.dispatch(selection, *args, **kwargs)
+            try:
+                return await response
+            except asyncio.CancelledError:
+                response.cancel()  # the request went away: so does the rank's call
+                raise
+        except RayTaskError as exc:
+            failure = exc
+            if isinstance(exc.cause, UNAVAILABLE):
+                raise self._unavailable(exc.cause) from exc
+            raise exc.cause from None
+        except UNAVAILABLE as exc:
+            failure = exc
+            raise self._unavailable(exc) from exc
+        except BaseException as exc:
+            failure = exc
+            raise
+        finally:
+            exc_info = (type(failure), failure, None) if failure else (None, None, None)
+            await chooser.__aexit__(*exc_info)
+
+    def _unavailable(self, cause: BaseException | str) -> RankUnavailableError:
+        return RankUnavailableError(self.rank, cause, replica=self.replica, started=self.started)
 
 
 class RankHandle:
     """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``)."""
 
-    def __init__(self, rank: int, handle: DeploymentHandle):
+    def __init__(self, rank: int, handle: DeploymentHandle, route_timeout_s: float):
         self.rank = rank
         self.handle = handle
+        self.route_timeout_s = route_timeout_s
 
     def encode(
         self,
@@ -91,12 +114,15 @@ class RankHandle:
         caller: str,
         feature_dtype: str,
     ) -> RankCall:
-        encode = self.handle.encode
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
-        return RankCall(self.rank, lambda: encode.remote(indices, items, **kwargs))
+        return self._call("encode", indices, items, **kwargs)
 
     def load(self) -> RankCall:
-        return RankCall(self.rank, self.handle.load.remote)
+        return self._call("load")
 
     def info(self) -> RankCall:
-        return RankCall(self.rank, self.handle.info.remote)
+        return self._call("info")
+
+    def _call(self, method: str, *args, **kwargs) -> RankCall:
+        handle = self.handle.options(method_name=method)
+        return RankCall(self.rank, handle, self.route_timeout_s, *args, **kwargs)

@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from kimi_encoder.config import resolve_configs
 
 from . import errors
-from .admission import Admission
+from .admission import Admission, BodySlots
 from .args import AppArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut, RankHealth
@@ -56,8 +56,10 @@ class EncodeServer:
         vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
         self.vision = vision
         self.admission = Admission(vision, preprocess, args)
+        self.bodies = BodySlots(args.max_concurrent_bodies)
         self.api_key = ApiKey.load(args.api_key_file)
-        self.ranks = [RankHandle(rank, handle) for rank, handle in enumerate(ranks)]
+        timeout = args.rank_route_timeout_s
+        self.ranks = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
         self.dispatcher = Dispatcher(
             args.dp_size,
             model_name=self.model_name,
@@ -75,6 +77,8 @@ class EncodeServer:
             self.health,
             vision=vision,
             timeout_s=args.request_timeout_s,
+            slow_after_s=args.rank_slow_after_s,
+            slow_factor=args.rank_slow_factor,
             in_flight=self.metrics.dispatched,
         )
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
@@ -86,7 +90,8 @@ class EncodeServer:
         # response and carries it to the ranks' log records.
         with self.metrics.trace(request.headers.get("x-request-id", "")) as trace:
             self.api_key.check(request)
-            admitted = await self.admission.admit(request)
+            with self.bodies.take():
+                admitted = await self.admission.admit(request)
             trace.admitted(admitted.items)
             gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
             trace.gathered(gathered)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -221,3 +222,102 @@ def test_a_rank_that_answers_its_probe_takes_work_again():
 
     health = asyncio.run(scenario())
     assert health.down() == set() and health.recoveries == [0, 1]
+
+
+def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
+    never = asyncio.Event()
+
+    async def hang(rank, indices, items):
+        await never.wait()
+
+    ranks = [FakeRank(0), FakeRank(1, hang)]
+    fanout, health = fan_out(ranks)
+    fanout.slow_after_s = 0.05  # the tiny model's expected time is far below it
+    request = items(6, seed=50)
+    gathered = asyncio.run(fanout.run(request, "float32"))
+    assert_in_order(gathered, request)
+    share = ranks[1].calls[0]
+    assert ranks[0].calls[-1] == share  # the late call's images went to rank 0
+    assert ranks[1].cancelled == 1  # the duplicate was dropped once rank 0 answered
+    assert health.hedged >= len(share) and 1 in health.down()
+    assert all(gathered.owners[i] == 0 for i in share)
+
+
+def test_first_answer_wins_when_the_late_call_answers_before_its_copy():
+    late_go, copy_sent, copy_go = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def late(rank, indices, items):
+        await late_go.wait()
+
+    async def zero(rank, indices, items):
+        if ranks[0].calls[1:]:  # the hedged copy: wait while the late call answers
+            copy_sent.set()
+            await copy_go.wait()
+
+    ranks = [FakeRank(0, zero), FakeRank(1, late)]
+    fanout, health = fan_out(ranks)
+    fanout.slow_after_s = 0.05
+
+    async def run():
+        task = asyncio.ensure_future(fanout.run(request, "float32"))
+        await copy_sent.wait()
+        late_go.set()  # rank 1 answers while its copy is still running on rank 0
+        return await task
+
+    request = items(6, seed=60)
+    gathered = asyncio.run(run())
+    assert_in_order(gathered, request)
+    share = ranks[1].calls[0]
+    assert all(gathered.owners[i] == 1 for i in share)
+    assert ranks[0].cancelled == 1  # the copy was the duplicate
+    assert health.down() == set()  # rank 1 answered: slow, not dead
+
+
+def test_health_is_ordered_by_time_and_replica():
+    async def scenario():
+        health = RankHealth([FakeRank(0)], cooldown_s=60)
+        t0 = time.monotonic()
+        health.mark_down(RankUnavailableError(0, "died", replica="A", started=t0))
+        health.mark_up(0, "A", started=t0 - 1)  # began before the failure, same replica
+        stale = health.down()
+        health.mark_up(0, "B", started=t0 - 1)  # its replacement answered
+        replaced = health.down()
+        health.mark_down(RankUnavailableError(0, "late error", replica="A", started=t0 - 2))
+        return stale, replaced, health.down(), health.ignored
+
+    stale, replaced, after_old_error, ignored = asyncio.run(scenario())
+    assert stale == {0} and replaced == set()
+    assert after_old_error == set() and ignored == 1  # an old replica never marks B down
+
+
+def test_slow_ranks_still_take_work_when_no_rank_is_up():
+    async def scenario():
+        ranks = [FakeRank(0), FakeRank(1)]
+        fanout, health = fan_out(ranks)
+        for rank in (0, 1):
+            health.mark_down(RankUnavailableError(rank, "late", slow=True))
+        request = items(4, seed=70)
+        return request, await fanout.run(request, "float32"), health
+
+    request, gathered, health = asyncio.run(scenario())
+    assert_in_order(gathered, request)  # answered, not 503
+    assert health.down() == set()
+
+
+def test_a_silent_rank_gets_no_new_work():
+    never = asyncio.Event()
+
+    class Silent(FakeRank):
+        def load(self) -> FakeCall:
+            return FakeCall(never.wait())
+
+    ranks = [FakeRank(0), Silent(1)]
+    fanout, health = fan_out(ranks)
+
+    async def scenario():
+        await fanout.dispatcher.refresh(ranks)  # waits briefly, the poll goes on
+        await fanout.dispatcher._poll  # until rank 1 misses its report deadline
+        return await fanout.run(items(4, seed=80), "float32")
+
+    gathered = asyncio.run(scenario())
+    assert health.down() == {1} and set(gathered.owners) == {0} and not ranks[1].calls

@@ -9,6 +9,7 @@ answer the row's status and error type in the JSON envelope.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import socket
 import time
 
 import pytest
@@ -20,7 +21,12 @@ from pydantic import ValidationError
 from ray import serve
 from serve_helpers import app_args, b64
 
-from deployments.admission import FormError, UnsupportedMediaTypeError
+from deployments.admission import (
+    BodyTimeoutError,
+    IngressBusyError,
+    MalformedBodyError,
+    UnsupportedMediaTypeError,
+)
 from deployments.app import bind_app
 from deployments.errors import ERRORS
 from deployments.fanout import NoRankAvailableError, RequestTimeoutError
@@ -52,6 +58,8 @@ def url(serve_url, board, tmp_path_factory):
         feature_cache_bytes=0,
         calibration_grids=[],
         rank_options={"max_ongoing_requests": 1, "max_queued_requests": 1},
+        body_grace_s=1.0,  # a stalled body is refused after a second
+        max_concurrent_bodies=1,
     )
     serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
@@ -64,6 +72,53 @@ def post(url: str, headers=AUTH, **kwargs) -> requests.Response:
 
 def one_image(url: str) -> requests.Response:
     return post(url, json={"items": [{"type": "image", "image": b64(IMAGE)}]})
+
+
+def stalled_body(url: str) -> socket.socket:
+    """A POST whose body stops after a few bytes: it holds its body slot until refused."""
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    head = (
+        f"POST /{APP}/v1/encode HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n"
+    )
+    sock.sendall(head.encode() + b'{"items"')
+    return sock
+
+
+def http_answer(sock: socket.socket) -> requests.Response:
+    """The raw HTTP answer on ``sock``, as a requests.Response."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, body = data.split(b"\r\n\r\n", 1)
+    lines = head.decode().split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    while len(body) < int(headers.get("content-length", 0)):
+        body += sock.recv(65536)
+    response = requests.Response()
+    response.status_code = int(lines[0].split()[1])
+    response.headers.update(headers)
+    response._content = body
+    return response
+
+
+def too_slow(url: str, board) -> requests.Response:
+    with stalled_body(url) as sock:
+        return http_answer(sock)
+
+
+def while_a_body_stalls(url: str, board) -> requests.Response:
+    """Another request while the only body slot is held by a stalled upload."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        with stalled_body(url) as sock:
+            for _ in range(20):
+                answer = one_image(url)
+                if answer.status_code == 503:
+                    return answer
+            http_answer(sock)
+    raise AssertionError("the stalled body never held the slot")
 
 
 def quiet(url: str) -> bool:
@@ -134,7 +189,9 @@ CASES = {
     UnsupportedFormatError: lambda url, board: post(
         url, json={"items": [{"type": "image", "image": b64(b"%!PS-Adobe-3.0 EPSF-3.0\n")}]}
     ),
-    FormError: lambda url, board: post(url, files={"picture": ("a.png", IMAGE)}),
+    MalformedBodyError: lambda url, board: post(url, files={"picture": ("a.png", IMAGE)}),
+    BodyTimeoutError: too_slow,
+    IngressBusyError: while_a_body_stalls,
     ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
     NoRankAvailableError: past_the_queue,
     RequestTimeoutError: held_past_the_timeout,

@@ -67,8 +67,10 @@ def apps(serve_url, board):
 
 @pytest.fixture(scope="module")
 def batching_url(apps) -> str:
-    """dp 1, two CPUs for the rank, no cache."""
-    args = app_args(dp_size=1, rank_actor_options={"num_cpus": 2}, feature_cache_bytes=0)
+    """dp 1, two CPUs for the rank, no cache; held calls are not hedged."""
+    args = app_args(
+        dp_size=1, rank_actor_options={"num_cpus": 2}, feature_cache_bytes=0, rank_slow_after_s=60
+    )
     return apps("batching", args)
 
 
@@ -81,6 +83,7 @@ def two_ingress_url(apps) -> str:
         feature_cache_bytes=0,
         cost_model="patches",
         load_report_interval_ms=0,
+        rank_slow_after_s=60,  # rank 0 is held on purpose: not hedged
     )
     return apps("two_ingress", args)
 
