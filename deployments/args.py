@@ -91,8 +91,10 @@ class AppArgs(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device of each rank; 'auto' means cuda when num_gpus > 0, else cpu."
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Weights and compute dtype of the ranks."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weights and compute dtype of the ranks; 'auto': bfloat16 on a cuda rank "
+        "(float32 there is many times slower), float32 on a cpu one.",
     )
     feature_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None,
@@ -306,9 +308,16 @@ class AppArgs(BaseModel):
         return BodyPace(self.body_timeout_s, self.body_grace_s, self.body_min_bytes_per_s)
 
     @property
+    def rank_dtype(self) -> str:
+        """The ranks' dtype: 'auto' follows their device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.rank_device == "cuda" else "float32"
+
+    @property
     def default_feature_dtype(self) -> str:
         """The features' wire dtype of requests that do not choose one."""
-        return self.feature_dtype or self.dtype
+        return self.feature_dtype or self.rank_dtype
 
     @property
     def default_backend(self) -> str:

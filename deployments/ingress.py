@@ -63,7 +63,7 @@ class EncodeServer:
         self.dispatcher = Dispatcher(
             args.dp_size,
             model_name=self.model_name,
-            dtype=args.dtype,
+            dtype=args.rank_dtype,
             cost_model=args.cost_model,
             report_interval_ms=args.load_report_interval_ms,
             affinity_tolerance=args.cache_affinity_tolerance,
@@ -108,7 +108,7 @@ class EncodeServer:
         return {
             "model": self.model_name,
             **self.vision.summary(),
-            "dtype": self.args.dtype,
+            "dtype": self.args.rank_dtype,
             "feature_dtype": self.args.default_feature_dtype,
             "device": self.args.rank_device,
             "preprocess_backend": self.args.default_backend,

@@ -60,7 +60,7 @@ class EncoderRank:
         self.encoder = encoder_factory(
             args.checkpoint,
             device=args.rank_device,
-            dtype=args.dtype,
+            dtype=args.rank_dtype,
             backend=args.default_backend,
             seed=args.seed,
         )

@@ -92,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     enc.add_argument("--backend", default="auto", help="preprocessing backend: cpu, gpu or auto")
     enc.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
-    enc.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    enc.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="weights and compute; auto: bfloat16 on CUDA, float32 on CPU",
+    )
     enc.add_argument("--out", required=True, help="output .safetensors file")
     enc.add_argument(
         "--save-pixels",
