@@ -20,7 +20,8 @@ import tracemalloc
 import numpy as np
 from safetensors.numpy import save as save_safetensors
 
-from deployments.wire import json_body, safetensors_body
+from deployments.wire import json_body
+from kimi_encoder.features import safetensors_body
 
 from .common import conditions, standalone
 

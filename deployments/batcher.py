@@ -45,7 +45,7 @@ import torch
 from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
 from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.features import FEATURE_DTYPES, check_dtype, dtype_name
+from kimi_encoder.features import check_dtype, dtype_name, torch_dtype
 from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
@@ -364,7 +364,7 @@ class RankBatcher:
             with torch.inference_mode():
                 features = self.encoder.forward(pixels, [batch[i].item for i in good])
                 for i, f in zip(good, features, strict=True):
-                    results[i] = f.to(FEATURE_DTYPES[batch[i].dtype])
+                    results[i] = f.to(torch_dtype(batch[i].dtype))
         clock.mark()
         timing.device_ms, timing.forward_ms = clock.spans_ms()
         self.counters.forward_s += timing.forward_ms / 1e3

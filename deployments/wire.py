@@ -24,14 +24,13 @@ from __future__ import annotations
 import binascii
 import json
 import secrets
-import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 from starlette.responses import JSONResponse, Response
 
-from kimi_encoder.features import SAFETENSORS, STORAGE
+from kimi_encoder.features import SAFETENSORS, safetensors_body
 from kimi_encoder.items import EncoderItem
 
 from .admission import Admitted
@@ -79,31 +78,6 @@ class FeaturesJSONResponse(JSONResponse):
         return json_body(content)
 
 
-def safetensors_body(
-    tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str] | None = None
-) -> bytes:
-    """A safetensors file of ``{name: (array, safetensors dtype)}`` (the layout
-    ``safetensors`` writes), the payload copied once."""
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = dict(metadata)
-    buffers, offset = [], 0
-    for name, (array, dtype) in tensors.items():  # written in this order; readers use offsets
-        array = np.ascontiguousarray(array)
-        if array.dtype.byteorder == ">" or array.dtype.itemsize != _ITEMSIZE[dtype]:
-            raise ValueError(f"{name}: a {array.dtype} array cannot be stored as {dtype}.")
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
-        }
-        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))
-        offset += array.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
-
-
 def safetensors_response(model: str, admitted: Admitted, gathered: Gathered) -> Response:
     """``features.{i}`` in the feature dtype and ``grid_thw.{i}`` int64 ``[1, 3]`` per item."""
     dtype = SAFETENSORS[gathered.dtype]
@@ -141,9 +115,6 @@ def json_response(
     usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
     payload = {"model": model, "items": items, "usage": usage.model_dump()}
     return FeaturesJSONResponse(payload | {"timings_ms": timings()})
-
-
-_ITEMSIZE = {"I64": 8, **{SAFETENSORS[n]: STORAGE[n].itemsize for n in SAFETENSORS}}
 
 
 def _resized_size(item: EncoderItem) -> list[int] | None:

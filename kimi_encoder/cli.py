@@ -62,6 +62,7 @@ def _client(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         per_batch=args.per_batch,
         backend=args.backend,
+        feature_dtype=args.feature_dtype,
         api_key=args.api_key,
     )
     rate = report.encoded / report.seconds if report.seconds else 0.0
@@ -124,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="write one batch-NNNNN.safetensors per request instead of one file per image",
     )
     cl.add_argument("--backend", choices=["cpu", "gpu"], help="preprocessing backend")
+    cl.add_argument(
+        "--feature-dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="dtype of the features asked for and written (default: the server's)",
+    )
     cl.add_argument(
         "--api-key",
         default=os.environ.get("KIMI_ENCODER_API_KEY"),

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-from safetensors.numpy import load as load_safetensors
-from safetensors.numpy import save_file
+
+from .features import SAFETENSORS, read_safetensors, safetensors_body, to_float32
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff"})
@@ -48,11 +48,18 @@ ITEM_STATUSES = (400, 413, 415)
 
 @dataclass(frozen=True)
 class Encoded:
-    """One image's features as the server returned them."""
+    """One image's features as the server returned them: ``raw`` in the wire ``dtype``
+    (bfloat16 as uint16 words, ``kimi_encoder.features``), ``features`` their float32
+    values (widened exactly)."""
 
-    features: np.ndarray  # (num_tokens, text_hidden_size) float32
+    raw: np.ndarray  # (num_tokens, text_hidden_size)
+    dtype: str
     grid_thw: tuple[int, int, int]
     owner_rank: int
+
+    @property
+    def features(self) -> np.ndarray:
+        return to_float32(self.raw, self.dtype)
 
 
 class EncodeError(Exception):
@@ -83,6 +90,7 @@ class EncoderClient:
         backoff_s: float = 0.5,
         max_backoff_s: float = 30.0,
         backend: str | None = None,
+        feature_dtype: str | None = None,
         api_key: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ):
@@ -92,6 +100,7 @@ class EncoderClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.backend = backend
+        self.feature_dtype = feature_dtype
         self.api_key = api_key
         self.sleep = sleep
         self.model: str | None = None
@@ -106,17 +115,18 @@ class EncoderClient:
         }
         if self.backend:
             body["backend"] = self.backend
+        if self.feature_dtype:
+            body["feature_dtype"] = self.feature_dtype
         blob = self._post("/v1/encode", json.dumps(body).encode())
-        tensors = load_safetensors(blob)
-        meta = _safetensors_metadata(blob)
+        tensors, meta = read_safetensors(blob)
         self.model = meta.get("model", self.model)
         owners = json.loads(meta["owner_ranks"])
         if len(owners) != len(images):
             raise EncodeError(200, "bad_response", f"{len(owners)} results for {len(images)}")
         return [
             Encoded(
-                tensors[f"features.{i}"],
-                tuple(int(v) for v in tensors[f"grid_thw.{i}"][0]),  # type: ignore[arg-type]
+                *tensors[f"features.{i}"],
+                tuple(int(v) for v in tensors[f"grid_thw.{i}"][0][0]),  # type: ignore[arg-type]
                 int(owners[i]),
             )
             for i in range(len(images))
@@ -174,11 +184,6 @@ def _retry_after(value: str | None) -> float | None:
             return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
         except (TypeError, ValueError):
             return None
-
-
-def _safetensors_metadata(blob: bytes) -> dict[str, str]:
-    size = int.from_bytes(blob[:8], "little")
-    return json.loads(blob[8 : 8 + size]).get("__metadata__", {})
 
 
 # --- Many files -------------------------------------------------------------------------
@@ -425,10 +430,10 @@ def _write_batch(
     if per_batch:
         if not done or out_dir is None:
             return []
-        tensors: dict[str, np.ndarray] = {}
+        tensors: dict[str, tuple[np.ndarray, str]] = {}
         for i, (_, encoded) in enumerate(done):
-            tensors[f"features.{i}"] = encoded.features
-            tensors[f"grid_thw.{i}"] = np.asarray([encoded.grid_thw], dtype=np.int64)
+            tensors[f"features.{i}"] = (encoded.raw, SAFETENSORS[encoded.dtype])
+            tensors[f"grid_thw.{i}"] = (np.asarray([encoded.grid_thw], dtype=np.int64), "I64")
         meta = {
             "model": model,
             "owner_ranks": json.dumps([e.owner_rank for _, e in done]),
@@ -437,13 +442,13 @@ def _write_batch(
         }
         path = out_dir / f"batch-{number:05d}.safetensors"
         path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path), metadata=meta)
+        path.write_bytes(safetensors_body(tensors, meta))
         return [path]
     written = []
     for source, encoded in done:
         tensors = {
-            "features": encoded.features,
-            "grid_thw": np.asarray([encoded.grid_thw], dtype=np.int64),
+            "features": (encoded.raw, SAFETENSORS[encoded.dtype]),
+            "grid_thw": (np.asarray([encoded.grid_thw], dtype=np.int64), "I64"),
         }
         for path, out in zip(source.paths, source.outputs, strict=True):
             meta = {
@@ -453,7 +458,7 @@ def _write_batch(
                 "sha256": source.digest,
             }
             out.parent.mkdir(parents=True, exist_ok=True)
-            save_file(tensors, str(out), metadata=meta)
+            out.write_bytes(safetensors_body(tensors, meta))
             written.append(out)
     return written
 
@@ -473,6 +478,7 @@ def run_client(
     concurrency: int = 4,
     per_batch: bool = False,
     backend: str | None = None,
+    feature_dtype: str | None = None,
     api_key: str | None = None,
     stream: IO[str] = sys.stderr,
 ) -> RunReport:
@@ -481,7 +487,7 @@ def run_client(
     files, missing = expand_inputs(inputs)
     report.failed.update(missing)
     sources = plan_sources(files, out_dir, report)
-    client = EncoderClient(url, backend=backend, api_key=api_key)
+    client = EncoderClient(url, backend=backend, feature_dtype=feature_dtype, api_key=api_key)
     progress = Progress(report.files, stream, enabled=stream.isatty())
     progress.update(0, 0, failed=len(report.failed) - len(missing))  # unreadable at scan
     try:

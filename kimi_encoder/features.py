@@ -5,6 +5,7 @@ a ``uint16`` array next to the dtype's name; float32 and float16 are stored as
 themselves. Every array is little-endian and C-contiguous, so its bytes are the
 wire format: raw little-endian values, rows one after another.
 
+    >>> import torch
     >>> x = torch.tensor([[1.0, -2.5]], dtype=torch.bfloat16)
     >>> raw = to_numpy(x)
     >>> raw.dtype, raw.tolist()
@@ -15,10 +16,17 @@ wire format: raw little-endian values, rows one after another.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
+import json
+import struct
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-FEATURE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+import numpy as np
+
+if TYPE_CHECKING:  # torch only where tensors are: the HTTP client reads files without it
+    import torch
+
+FEATURE_DTYPES = ("float32", "bfloat16", "float16")
 STORAGE = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}
 SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -35,8 +43,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, check_dtype(name))
+
+
 def to_numpy(features: torch.Tensor) -> np.ndarray:
     """A CPU tensor of a feature dtype as its storage array, sharing its memory."""
+    import torch
+
     name = check_dtype(dtype_name(features.dtype))
     data = features.contiguous()
     if name == "bfloat16":
@@ -49,6 +65,8 @@ def from_numpy(array: np.ndarray, name: str) -> torch.Tensor:
     check_dtype(name)
     if array.dtype != STORAGE[name]:
         raise ValueError(f"{name} features are stored as {STORAGE[name]}, got {array.dtype}.")
+    import torch
+
     if not array.flags.writeable:
         array = array.copy()
     tensor = torch.from_numpy(np.ascontiguousarray(array))
@@ -66,3 +84,64 @@ def to_float32(array: np.ndarray, name: str) -> np.ndarray:
 def from_bytes(data: bytes | memoryview, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """The storage array of raw little-endian ``data`` (no copy)."""
     return np.frombuffer(data, dtype=STORAGE[check_dtype(name)]).reshape(shape)
+
+
+# --- safetensors files of storage arrays (bfloat16 included, which numpy's reader lacks) ---
+
+_ITEMSIZE = {"I64": 8, **{SAFETENSORS[n]: STORAGE[n].itemsize for n in SAFETENSORS}}
+_FROM_SAFETENSORS = {v: k for k, v in SAFETENSORS.items()}
+
+
+def safetensors_body(
+    tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """A safetensors file of ``{name: (array, safetensors dtype)}`` (the layout
+    ``safetensors`` writes), the payload copied once: each array's buffer is joined
+    straight into the output."""
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    buffers, offset = [], 0
+    for name, (array, dtype) in tensors.items():  # written in this order; readers use offsets
+        array = np.ascontiguousarray(array)
+        if array.dtype.byteorder == ">" or array.dtype.itemsize != _ITEMSIZE[dtype]:
+            raise ValueError(f"{name}: a {array.dtype} array cannot be stored as {dtype}.")
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        buffers.append(memoryview(array.reshape(-1).view(np.uint8)))
+        offset += array.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
+    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
+
+
+def read_safetensors(blob: bytes | memoryview) -> tuple[dict[str, tuple[np.ndarray, str]], dict]:
+    """``({name: (array, dtype name)}, metadata)`` of a safetensors file, arrays viewing
+    ``blob``: feature dtypes by their names (``float32``, ``bfloat16`` as uint16 words,
+    ``float16``), ``I64`` as ``int64``.
+
+    >>> import torch
+    >>> data = safetensors_body({"x": (to_numpy(torch.ones(2, dtype=torch.bfloat16)), "BF16")})
+    >>> tensors, _ = read_safetensors(data)
+    >>> tensors["x"][1], to_float32(*tensors["x"]).tolist()
+    ('bfloat16', [1.0, 1.0])
+    """
+    size = int.from_bytes(bytes(blob[:8]), "little")
+    header = json.loads(bytes(blob[8 : 8 + size]))
+    metadata = header.pop("__metadata__", {})
+    data = memoryview(blob)[8 + size :]
+    out = {}
+    for name, entry in header.items():
+        start, end = entry["data_offsets"]
+        if entry["dtype"] == "I64":
+            array, dtype = np.frombuffer(data[start:end], dtype="<i8"), "int64"
+        elif entry["dtype"] in _FROM_SAFETENSORS:
+            dtype = _FROM_SAFETENSORS[entry["dtype"]]
+            array = np.frombuffer(data[start:end], dtype=STORAGE[dtype])
+        else:
+            raise ValueError(f"{name}: safetensors dtype {entry['dtype']} is not a feature dtype.")
+        out[name] = (array.reshape(entry["shape"]), dtype)
+    return out, metadata

@@ -12,8 +12,15 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 from safetensors.torch import load as load_torch
 
-from deployments.wire import b64, json_body, safetensors_body
-from kimi_encoder.features import SAFETENSORS, STORAGE, to_float32, to_numpy
+from deployments.wire import b64, json_body
+from kimi_encoder.features import (
+    SAFETENSORS,
+    STORAGE,
+    read_safetensors,
+    safetensors_body,
+    to_float32,
+    to_numpy,
+)
 
 
 def arrays() -> list[np.ndarray]:
@@ -65,6 +72,8 @@ def test_each_feature_dtype_reads_back_with_safetensors_and_numpy(dtype):
     stored = to_numpy(rounded)
     body = safetensors_body({"features.0": (stored, SAFETENSORS[dtype])})
     assert torch.equal(load_torch(body)["features.0"], rounded)
+    ours, name = read_safetensors(body)[0]["features.0"]
+    assert name == dtype and np.array_equal(to_float32(ours, name), rounded.float().numpy())
     raw = base64.b64decode(b64(stored))
     values = to_float32(np.frombuffer(raw, dtype=STORAGE[dtype]).reshape(7, 80), dtype)
     np.testing.assert_array_equal(values, rounded.float().numpy())

@@ -13,6 +13,7 @@ import requests
 import torch
 
 from deployments.args import AppArgs
+from kimi_encoder.features import from_bytes, to_float32
 
 # Fast teardown: no request is in flight when an app is deleted.
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 0.5}
@@ -66,8 +67,9 @@ def b64(data: bytes) -> str:
 
 
 def decode_features(item: dict) -> np.ndarray:
-    raw = base64.b64decode(item["data"])
-    return np.frombuffer(raw, dtype="<f4").reshape(item["shape"])
+    """An item of a JSON answer as float32 values (every wire dtype, docs/api.md)."""
+    raw = from_bytes(base64.b64decode(item["data"]), item["dtype"], tuple(item["shape"]))
+    return to_float32(raw, item["dtype"])
 
 
 @contextmanager

@@ -13,6 +13,7 @@ import pytest
 import requests
 import torch
 from safetensors.numpy import load as load_safetensors
+from safetensors.torch import load as load_torch
 from serve_helpers import b64, decode_features, encode, one_thread
 
 pytestmark = pytest.mark.serve
@@ -59,6 +60,32 @@ def test_json_and_safetensors_decode_to_the_same_tensors(url, images):
     meta = safetensors_metadata(response.content)
     assert json.loads(meta["owner_ranks"]) == [i["owner_rank"] for i in as_json["items"]]
     assert meta["model"] == as_json["model"] == "preset:tiny"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_feature_dtype_and_format_is_the_float32_features_rounded(
+    url, images, reference, dtype
+):
+    """JSON, safetensors and multipart answers in each wire dtype equal the float32
+    features of the in-process encoder rounded to it, read with numpy (bfloat16 words
+    widened) and with the safetensors library's torch reader."""
+    data = images[:3]
+    with one_thread():
+        want = [
+            f.to(getattr(torch, dtype)) for f in reference.encode([reference.plan(b) for b in data])
+        ]
+    as_json = encode(url, image_items(data), feature_dtype=dtype).json()
+    body = encode(url, image_items(data), feature_dtype=dtype, response_format="safetensors")
+    files = [("image", (f"{i}.png", b)) for i, b in enumerate(data)]
+    form = {"feature_dtype": dtype, "response_format": "safetensors"}
+    multipart = requests.post(f"{url}/v1/encode", files=files, data=form, timeout=60)
+    assert body.status_code == multipart.status_code == 200, multipart.text
+    for i, expected in enumerate(want):
+        item = as_json["items"][i]
+        assert item["dtype"] == dtype
+        assert np.array_equal(decode_features(item), expected.float().numpy())
+        for blob in (body.content, multipart.content):
+            assert torch.equal(load_torch(blob)[f"features.{i}"], expected)
 
 
 def safetensors_metadata(blob: bytes) -> dict[str, str]:
