@@ -217,7 +217,7 @@ class AppArgs(BaseModel):
         "budget runs alone).",
     )
     rank_route_timeout_s: float = Field(
-        0.5,
+        0.3,
         gt=0,
         description="Longest a call waits for Serve to route it to a replica of its rank; past "
         "it the rank counts as unavailable (dead, restarting, full) and the images go to the "

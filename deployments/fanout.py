@@ -382,7 +382,14 @@ class FanOut:
             flight.stack.close()
             self._land(flight, gathered)
         filled = [f for f in flights if all(gathered.features[i] is not None for i in f.covers)]
-        for flight in filled:  # another call answered first: this one is a duplicate now
+        down = self.health.down()
+        doomed = [  # still waiting for a replica of a rank that has since failed
+            f
+            for f in flights
+            if f.rank in down and not f.late and getattr(f.call, "replica", None) is None
+        ]
+        for flight in {id(f): f for f in filled + doomed}.values():
+            # another call answered first (a duplicate now), or its rank is gone
             flights.remove(flight)
             flight.call.cancel()
             flight.stack.close()
@@ -433,10 +440,16 @@ class FanOut:
         self.health.hedged += sum(gathered.features[i] is None for i in flight.covers)
 
     def _silent(self, rank: int, error: BaseException) -> None:
-        """A rank missed its load report's deadline: no new work until it answers."""
-        if rank not in self.health.down():
-            error = RankUnavailableError(rank, f"no load report ({error!r})", slow=True)
+        """A rank missed its load report: no new work until it answers. Unavailable if the
+        poll reached no replica (dead, restarting), slow if one took it and stayed quiet."""
+        if rank in self.health.down():
+            return
+        if isinstance(error, RankUnavailableError):
             self.health.mark_down(error)
+        else:
+            self.health.mark_down(
+                RankUnavailableError(rank, f"no load report ({error!r})", slow=True)
+            )
 
 
 def _arrival(call: Call) -> asyncio.Task:

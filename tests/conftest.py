@@ -1,14 +1,25 @@
-"""Shared fixtures: the oracle data, seeded checkpoints and encoders."""
+"""Shared fixtures: the oracle data, seeded checkpoints and encoders, and the real Ray Serve
+cluster the serve and chaos tests run apps on (CPU, real HTTP on free ports, no mocks):
+one Ray cluster and one Serve instance per session, started on first use; each shared
+app (a dp size) is deployed once, on first use, under its own name and route prefix."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))  # tests/images.py
+sys.path.insert(0, str(TESTS))  # tests/images.py, serve_helpers.py, controlled.py
+
+from images import image_bytes  # noqa: E402
+
+from kimi_encoder.encoder import VisionEncoder  # noqa: E402
+
+# Ray, Serve and the deployments are imported by the fixtures that start them: the CUDA
+# tests run on machines without Ray.
 
 ORACLE = TESTS / "data" / "oracle-k3"
 
@@ -29,6 +40,68 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def oracle_encoder():
-    from kimi_encoder.encoder import VisionEncoder
-
     return VisionEncoder.from_pretrained(ORACLE / "checkpoint", device="cpu", backend="cpu")
+
+
+@pytest.fixture(scope="session")
+def images() -> list[bytes]:
+    from serve_helpers import IMAGE_SPECS
+
+    return [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS]
+
+
+@pytest.fixture(scope="session")
+def reference() -> VisionEncoder:
+    """The in-process encoder the ranks must reproduce (same preset, seed and backend)."""
+    return VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float32", backend="cpu")
+
+
+@pytest.fixture(scope="session")
+def serve_url() -> Iterator[str]:
+    import ray
+    from ray import serve
+    from serve_helpers import free_port
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+# Shared apps check features bit for bit against the in-process encoder, so a cache hit
+# (features from another batch) must not stand in, and owners follow the reference rule
+# (patch counts). The cache, fitted costs and batching have apps of their own
+# (test_throughput.py).
+REFERENCE_PATH = dict(feature_cache_bytes=0, cost_model="patches")
+
+
+@pytest.fixture(scope="session")
+def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
+    """``deploy(dp_size)`` -> base URL of a running app with that many ranks.
+
+    ``deploy(dp_size, name, **overrides)``: an app of its own with other AppArgs
+    (an API key file, a short timeout, ...), shared under ``name``.
+    """
+    from ray import serve
+    from serve_helpers import app_args
+
+    from deployments.app import bind_app
+
+    apps: dict[str, str] = {}
+
+    def _deploy(dp_size: int, name: str | None = None, **overrides) -> str:
+        assert name is not None or not overrides, "an app with overrides needs its own name"
+        name = name or f"dp{dp_size}"
+        if name not in apps:
+            args = app_args(dp_size=dp_size, **{**REFERENCE_PATH, **overrides})
+            serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
+            apps[name] = f"{serve_url}/{name}"
+        return apps[name]
+
+    yield _deploy
+    for name in apps:
+        serve.delete(name)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import io
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image
@@ -135,3 +138,27 @@ def png_claiming(width: int, height: int) -> bytes:
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     idat = zlib.compress(b"\0" * (1 + 3 * min(width, 64)) * 4)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+
+
+def chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def deflated_zeros(size: int, block: int = 1 << 24) -> bytes:
+    """zlib stream of ``size`` zero bytes, compressed block by block (never all in memory)."""
+    out, stream = [], zlib.compressobj(6)
+    for start in range(0, size, block):
+        out.append(stream.compress(bytes(min(block, size - start))))
+    return b"".join(out) + stream.flush()
+
+
+@functools.cache
+def ico_bomb(side: int = 13_000) -> bytes:
+    """An ICO whose one entry is a PNG of ``side x side`` zero grey pixels (~0.16 MB)."""
+    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
+    payload = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
+    payload += chunk(b"IDAT", deflated_zeros(side * (side + 1))) + chunk(b"IEND", b"")
+    directory = struct.pack("<HHH", 0, 1, 1) + struct.pack(
+        "<BBBBHHII", 0, 0, 0, 0, 1, 8, len(payload), 22
+    )
+    return directory + payload

@@ -5,15 +5,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import functools
 import io
 import struct
 import tracemalloc
-import zlib
 
 import numpy as np
 import pytest
-from images import image_bytes, make_image, png_claiming
+from images import chunk, deflated_zeros, ico_bomb, image_bytes, make_image, png_claiming
 from PIL import Image
 from pydantic import ValidationError
 
@@ -74,30 +72,6 @@ def test_planned_item_carries_its_limit_to_the_rank():
     tighter = dataclasses.replace(item.deferred, max_pixels=100)
     with pytest.raises(LimitExceededError, match="60x40 = 2400 pixels"):
         preprocess.preprocess(item.image, tighter, PRESET.vision.patch_size, "cpu")
-
-
-def chunk(kind: bytes, body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-
-def deflated_zeros(size: int, block: int = 1 << 24) -> bytes:
-    """zlib stream of ``size`` zero bytes, compressed block by block (never all in memory)."""
-    out, stream = [], zlib.compressobj(6)
-    for start in range(0, size, block):
-        out.append(stream.compress(bytes(min(block, size - start))))
-    return b"".join(out) + stream.flush()
-
-
-@functools.cache
-def ico_bomb(side: int = 13_000) -> bytes:
-    """An ICO whose one entry is a PNG of ``side x side`` zero grey pixels (~0.16 MB)."""
-    ihdr = struct.pack(">IIBBBBB", side, side, 8, 0, 0, 0, 0)
-    payload = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr)
-    payload += chunk(b"IDAT", deflated_zeros(side * (side + 1))) + chunk(b"IEND", b"")
-    directory = struct.pack("<HHH", 0, 1, 1) + struct.pack(
-        "<BBBBHHII", 0, 0, 0, 0, 1, 8, len(payload), 22
-    )
-    return directory + payload
 
 
 def jpeg(size=(64, 48)) -> bytes:

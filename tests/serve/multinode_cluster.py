@@ -30,7 +30,7 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
-sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from controlled import Switchboard, controlled_factory  # noqa: E402
 from images import image_bytes  # noqa: E402
 from serve_helpers import app_args, b64, decode_features  # noqa: E402

@@ -16,7 +16,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import app_args  # noqa: E402
 
 from deployments.app import bind_app  # noqa: E402

@@ -21,9 +21,9 @@ import requests
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, one_thread
+from serve_helpers import app_args, b64, decode_features, one_thread, replica_actor
 
-from deployments.app import bind_app, rank_name
+from deployments.app import bind_app
 
 pytestmark = pytest.mark.serve
 
@@ -66,18 +66,6 @@ def assert_features(response: requests.Response, data: list[bytes], reference) -
     for item, expected in zip(items, want, strict=True):
         np.testing.assert_allclose(decode_features(item), expected.numpy(), rtol=0, atol=1e-5)
     return [item["owner_rank"] for item in items]
-
-
-def replica_actor(app: str, rank: int):
-    """The live Serve replica actor of ``rank`` in ``app`` (a handle for ray.kill)."""
-    tag = f"{app}#{rank_name(rank)}#"
-    alive = [
-        a
-        for a in ray._private.state.actors().values()
-        if a["State"] == "ALIVE" and tag in a["Name"]
-    ]
-    assert len(alive) == 1, [a["Name"] for a in alive]
-    return ray.get_actor(alive[0]["Name"], namespace="serve")
 
 
 def hold(board, url: str, *ranks: int) -> None:

@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import ray
 import requests
 import torch
 
@@ -106,3 +107,15 @@ def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, i
             pass
     assert "ingress" in pids, "ingress replica process not found"
     return pids
+
+
+def replica_actor(app: str, rank: int):
+    """The live Serve replica actor of ``rank`` in ``app`` (a handle for ray.kill)."""
+    tag = f"{app}#EncoderRank_{rank}#"
+    alive = [
+        a
+        for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and tag in a["Name"]
+    ]
+    assert len(alive) == 1, [a["Name"] for a in alive]
+    return ray.get_actor(alive[0]["Name"], namespace="serve")

@@ -1,0 +1,127 @@
+"""Ranks that die or hang under load: nothing wrong, nothing lost, nothing waits for a restart.
+
+A dp-2 app with two ingress replicas under 8 closed-loop clients (``load.py``,
+every answer checked against the in-process encoder). Bounds are the ones
+docs/api.md ("Faults and limits") promises; the measured figures are printed
+(``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+import requests
+from load import Load, pool, summary
+from ray import serve
+from serve_helpers import app_args, replica_actor
+
+from deployments.app import bind_app
+
+pytestmark = pytest.mark.chaos
+
+APP = "chaos_ranks"
+RUN_S = 30  # load around each fault
+REJOIN_BOUND_S = 60  # a replaced or resumed rank takes work again within this
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    args = app_args(
+        dp_size=2,
+        ingress_replicas=2,
+        feature_cache_bytes=0,
+        rank_cooldown_s=1.0,
+        # Health checks slower than the 30 s hang: the resumed rank rejoins, not replaced.
+        rank_options={"health_check_period_s": 2, "health_check_timeout_s": 60},
+    )
+    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
+    yield f"{serve_url}/{APP}"
+    serve.delete(APP)
+
+
+@pytest.fixture(scope="module")
+def chaos_images(reference):
+    return pool(reference)
+
+
+def info(url: str) -> dict:
+    return requests.get(f"{url}/v1/info", timeout=30).json()
+
+
+def rank_pid(url: str, rank: int) -> int:
+    return info(url)["ranks"][rank]["pid"]
+
+
+def wait_rejoined(load: Load, rank: int, since: float) -> float:
+    """Seconds after ``since`` until a checked answer came from ``rank``."""
+    deadline = since + REJOIN_BOUND_S
+    while time.monotonic() < deadline:
+        answered = [o for o in load.since(since) if o.status == 200 and rank in o.owners]
+        if answered:
+            return min(o.sent + o.seconds for o in answered) - since
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} did not take work within {REJOIN_BOUND_S} s")
+
+
+def test_one_rank_killed_under_load(url, chaos_images):
+    with Load(url, *chaos_images, clients=8) as load:
+        time.sleep(RUN_S / 3)  # load before the fault: a measuring window, no sync needed
+        killed_at = time.monotonic()
+        ray.kill(replica_actor(APP, 1), no_restart=True)
+        rejoin_s = wait_rejoined(load, 1, killed_at)
+        time.sleep(max(0.0, killed_at + 2 * RUN_S / 3 - time.monotonic()))
+    outcomes = load.outcomes
+    figures = summary(outcomes)
+    print(f"\none rank killed: {figures}; replacement took work {rejoin_s:.1f} s after")
+    assert figures["wrong"] == 0 and figures["lost"] == 0
+    assert figures["statuses"] == {200: figures["requests"]}
+    assert figures["p99_s"] <= 2.0 and figures["max_s"] <= 3.0
+
+
+def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
+    with Load(url, *chaos_images, clients=8) as load:
+        time.sleep(3)
+        killed_at = time.monotonic()
+        for rank in (0, 1):
+            ray.kill(replica_actor(APP, rank), no_restart=True)
+        rejoin_s = wait_rejoined(load, 0, killed_at)
+    around = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
+    figures = summary(around)
+    print(f"\nboth ranks killed: {figures}; served again {rejoin_s:.1f} s after")
+    assert figures["wrong"] == 0 and figures["lost"] == 0
+    assert set(figures["statuses"]) <= {200, 503} and 503 in figures["statuses"]
+    for o in around:
+        if o.status == 503:
+            assert o.retry_after is not None and int(o.retry_after) >= 1, o
+        # in flight at the kill or sent after it: answered within 1 s of the later one
+        assert o.sent + o.seconds - max(o.sent, killed_at) <= 1.0 or o.status == 200, o
+
+
+def test_a_hung_rank_is_routed_around_and_rejoins(url, chaos_images):
+    with Load(url, *chaos_images, clients=8) as load:
+        time.sleep(5)
+        unloaded = summary(load.since(time.monotonic() - 4))
+        pid = rank_pid(url, 1)
+        stopped_at = time.monotonic()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(RUN_S)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed_at = time.monotonic()
+        rejoin_s = wait_rejoined(load, 1, resumed_at)
+    during = load.since(stopped_at, resumed_at)
+    elsewhere = [o for o in during if o.status == 200 and 1 not in o.owners]
+    figures, other = summary(during), summary(elsewhere)
+    print(
+        f"\nrank 1 stopped {RUN_S} s: unloaded {unloaded}; during {figures}; requests "
+        f"not on it {other}; rejoined {rejoin_s:.1f} s after SIGCONT"
+    )
+    assert figures["wrong"] == 0 and figures["lost"] == 0
+    assert figures["statuses"] == {200: figures["requests"]}
+    assert figures["max_s"] <= 3.0  # those on it finished by re-dispatch
+    assert other["p50_s"] <= 2 * unloaded["p50_s"]
