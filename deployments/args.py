@@ -19,7 +19,7 @@ class BodyPace:
     that trickles bytes to hold a connection does not)."""
 
     timeout_s: float = 60.0
-    grace_s: float = 5.0
+    grace_s: float = 10.0
     min_bytes_per_s: float = 16384.0
 
     def deadline(self, received: int) -> float:
@@ -119,7 +119,7 @@ class AppArgs(BaseModel):
         60, gt=0, description="Longest a request body may take to arrive (408 past it)."
     )
     body_grace_s: float = Field(
-        5, ge=0, description="Seconds a body may arrive at any pace before body_min_bytes_per_s."
+        10, ge=0, description="Seconds a body may arrive at any pace before body_min_bytes_per_s."
     )
     body_min_bytes_per_s: float = Field(
         16384,

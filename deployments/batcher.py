@@ -85,6 +85,7 @@ class _Queued:
     host: Future  # its preparation on the decode pool
     waiters: int = 1  # calls awaiting it (a duplicate in flight joins)
     timing: _Timing | None = None  # set when a batch takes it
+    forwarding: bool = False  # set when its batch's forward starts: past taking back
 
 
 @dataclass
@@ -224,12 +225,14 @@ class RankBatcher:
         return item_key(item, self.fingerprint, f"{self.model_dtype}->{dtype}")
 
     def _abandon(self, entries: list[_Queued]) -> None:
-        """A call went away: take back its queued images that nobody else awaits."""
+        """A call went away: take back its images that nobody else awaits and whose forward
+        has not started (queued, or taken by a batch still waiting for their decode)."""
         for entry in entries:
             entry.waiters -= 1
-            if entry.waiters or entry.timing is not None or entry not in self._queue:
-                continue  # still awaited, or its forward already started
-            self._queue.remove(entry)
+            if entry.waiters or entry.forwarding or entry.future.done():
+                continue  # still awaited, already in a forward, or already dropped
+            if entry.timing is None:
+                self._queue.remove(entry)
             entry.host.cancel()  # no-op once its decode has started
             entry.future.cancel()
             if entry.key is not None:
@@ -293,6 +296,12 @@ class RankBatcher:
             hosts = await asyncio.gather(
                 *(asyncio.wrap_future(q.host) for q in batch), return_exceptions=True
             )
+            kept = [(q, h) for q, h in zip(batch, hosts, strict=True) if not q.future.cancelled()]
+            if not kept:  # every image was taken back while it decoded
+                continue
+            batch, hosts = [q for q, _ in kept], [h for _, h in kept]
+            for q in batch:
+                q.forwarding = True
             try:
                 on_device, done = await loop.run_in_executor(
                     self._executor, self._device_stage, batch, hosts, timing

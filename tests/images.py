@@ -162,3 +162,11 @@ def ico_bomb(side: int = 13_000) -> bytes:
         "<BBBBHHII", 0, 0, 0, 0, 1, 8, len(payload), 22
     )
     return directory + payload
+
+
+@functools.cache
+def zero_png(width: int, height: int) -> bytes:
+    """A ``width x height`` all-zero grey PNG, built without holding its pixels in memory."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = deflated_zeros(height * (width + 1))  # a filter byte and the row, per row
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")

@@ -38,10 +38,15 @@ class GatedEncoder(VisionEncoder):
         self.in_forward = threading.Event()
         self.prepared: list[threading.Event] = []  # one per prepare call, set when done
         self.forwards = 0
+        self.decode_gate = threading.Event()  # cleared: every prepare waits for it
+        self.decode_gate.set()
+        self.decoding = threading.Event()
 
     def prepare(self, item):
         done = threading.Event()
         self.prepared.append(done)
+        self.decoding.set()
+        assert self.decode_gate.wait(BOUND_S), "the test never opened the decode gate"
         try:
             return super().prepare(item)
         finally:
@@ -230,6 +235,32 @@ def test_a_cancelled_call_takes_back_its_queued_images(encoder, images):
     assert b.counters.dropped == 2 and b.counters.forwarded == 2
     assert b.load()["by_caller"] == {} and not b._in_flight
     assert shared[0].shape[0] > 0
+
+
+def test_images_taken_back_while_their_batch_decodes_never_reach_the_tower(encoder, images):
+    b = batcher(encoder)
+
+    async def run():
+        forwards = encoder.forwards
+        encoder.decoding.clear()
+        encoder.decode_gate.clear()
+        call = asyncio.ensure_future(b.encode([encoder.plan(images[5])], "gone"))
+        assert await asyncio.to_thread(encoder.decoding.wait, BOUND_S)
+        while not b._drain or b._queue:  # the drain has taken it and waits for its decode
+            await asyncio.sleep(0)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        encoder.decode_gate.set()
+        (after,), _ = await b.encode([encoder.plan(images[0])], "next")
+        return forwards, after
+
+    try:
+        forwards, after = asyncio.run(run())
+    finally:
+        encoder.decode_gate.set()
+    assert b.counters.dropped == 1 and encoder.forwards == forwards + 1  # only "next"
+    assert b.load()["by_caller"] == {} and after.shape[0] > 0
 
 
 def test_bad_image_fails_only_its_own_call(encoder, images):

@@ -1,0 +1,282 @@
+"""Clients that attack or go away: trickling bodies, image bombs and foreign formats, a
+flood abandoned mid-way, an ingress replica killed under a running client job.
+
+Each test runs its own dp-2 app with two ingress replicas beside checked load
+(``load.py``); bounds are docs/api.md's ("Faults and limits"), figures printed.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+import requests
+from images import ico_bomb, image_bytes, zero_png
+from load import Load, pool, summary
+from ray import serve
+from serve_helpers import app_args, b64
+
+from deployments.app import bind_app
+
+pytestmark = pytest.mark.chaos
+
+SLOW_CONNECTIONS = 100
+DEFAULT_LIMITS = dict(
+    max_request_bytes=64 << 20,
+    max_images_per_request=64,
+    max_image_pixels=50_000_000,
+    max_patches_per_request=1 << 20,
+)
+
+
+@pytest.fixture(scope="module")
+def apps(serve_url):
+    created = []
+
+    def run(name: str, **fields) -> str:
+        args = app_args(dp_size=2, ingress_replicas=2, feature_cache_bytes=0, **fields)
+        serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
+        created.append(name)
+        return f"{serve_url}/{name}"
+
+    yield run
+    for name in created:
+        serve.delete(name)
+
+
+@pytest.fixture(scope="module")
+def chaos_images(reference):
+    return pool(reference, seed=100)
+
+
+def replica_pids(app: str, deployment: str) -> list[int]:
+    title = f"ServeReplica:{app}:{deployment}".encode()
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and title in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:  # a process that exited while we looked
+            pass
+    return pids
+
+
+def rss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                total += int(line.split()[1])
+    return total / 1024
+
+
+class SlowBodies:
+    """``count`` connections that each send one body byte every 2 s, re-opened when the
+    server answers; every answer is recorded with how long its connection lived."""
+
+    def __init__(self, url: str, count: int):
+        address = url.split("//")[1].split("/")[0]
+        self.host, port = address.split(":")
+        self.port = int(port)
+        self.path = "/" + url.split("//")[1].split("/", 1)[1] + "/v1/encode"
+        self.count = count
+        self.answers: list[tuple[int, float, str]] = []  # (status, seconds, error type)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> SlowBodies:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+    def _open(self) -> tuple[socket.socket, float]:
+        sock = socket.create_connection((self.host, self.port), timeout=10)
+        head = (
+            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
+        )
+        sock.sendall(head.encode())
+        sock.setblocking(False)
+        return sock, time.monotonic()
+
+    def _run(self) -> None:
+        # Opened over the first 5 s, as an attacker's would be, then re-opened as answered.
+        conns: dict[socket.socket, float] = {}
+        next_open = next_byte = time.monotonic()
+        while not self._stop.is_set():
+            if len(conns) < self.count and time.monotonic() >= next_open:
+                sock, started = self._open()
+                conns[sock] = started
+                next_open += 5 / self.count
+            readable, _, _ = select.select(list(conns), [], [], 0.02)
+            for sock in readable:
+                opened = conns.pop(sock)
+                self._record(sock, time.monotonic() - opened)
+                sock.close()
+                new, started = self._open()
+                conns[new] = started
+            if time.monotonic() >= next_byte:
+                for sock in conns:
+                    try:
+                        sock.send(b" ")
+                    except OSError:  # answered and closed meanwhile: read on the next turn
+                        pass
+                next_byte += 2
+        for sock in conns:
+            sock.close()
+
+    def _record(self, sock: socket.socket, seconds: float) -> None:
+        sock.setblocking(True)
+        sock.settimeout(5)
+        data = b""
+        try:
+            while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        except OSError:
+            pass
+        head, _, body = data.partition(b"\r\n\r\n")
+        status = int(head.split()[1]) if head else 0
+        try:
+            kind = json.loads(body)["error"]["type"]
+        except (ValueError, KeyError, TypeError):
+            kind = "not-json"
+        self.answers.append((status, seconds, kind))
+
+
+def test_trickling_bodies_hold_no_slot_of_the_encode_path(apps, chaos_images):
+    url = apps("chaos_slow")
+    with Load(url, *chaos_images, clients=4) as load:
+        time.sleep(11)
+        unloaded = summary(load.since(time.monotonic() - 10))
+        started = time.monotonic()
+        with SlowBodies(url, SLOW_CONNECTIONS) as slow:
+            time.sleep(25)
+            healthz = requests.get(f"{url}/healthz", timeout=5)
+        during = summary(load.since(started, started + 25))
+    ok = during["statuses"].get(200, 0) / max(during["requests"], 1)
+    refused = [a for a in slow.answers]
+    print(f"\nslow bodies: unloaded {unloaded}; with {SLOW_CONNECTIONS} trickling {during}; "
+          f"{len(refused)} trickling answered, e.g. {refused[:2]}")  # fmt: skip
+    assert healthz.status_code == 200
+    assert during["wrong"] == 0 and ok >= 0.95
+    assert during["p99_s"] <= 2 * unloaded["p99_s"]
+    assert refused and all(status in (408, 413) for status, _, _ in refused), refused[:5]
+    assert all(kind in ("body_timeout", "limit_exceeded") for _, _, kind in refused)
+    assert all(seconds <= 10 + 3 for _, seconds, _ in refused)  # body_grace_s, the 2 s tick
+
+
+def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
+    url = apps("chaos_formats", **DEFAULT_LIMITS)
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
+    psd = b"8BPS\x00\x01" + bytes(20)
+    before = [r["calls"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]]
+    pids = replica_pids("chaos_formats", "EncodeServer")
+    rss_before = rss_mb(pids)
+    bomb = ico_bomb()
+    worst_healthz = 0.0
+    with_bombs = threading.Event()
+
+    def send_bombs():
+        for _ in range(8):
+            answer = requests.post(f"{url}/v1/encode", files={"image": ("x.ico", bomb)})
+            assert answer.status_code == 415 and "ICO" in answer.text, answer.text
+        with_bombs.set()
+
+    thread = threading.Thread(target=send_bombs)
+    thread.start()
+    while not with_bombs.is_set():
+        sent = time.monotonic()
+        assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+        worst_healthz = max(worst_healthz, time.monotonic() - sent)
+    thread.join()
+    for name, data in [("x.eps", eps), ("x.psd", psd), ("renamed.png", eps)]:
+        answer = requests.post(f"{url}/v1/encode", files={"image": (name, data)})
+        assert answer.status_code == 415, answer.text
+        assert answer.json()["error"]["type"] == "unsupported_media_type"
+    after = [r["calls"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]]
+    growth = rss_mb(pids) - rss_before
+    print(
+        f"\nICO bombs: /healthz at worst {worst_healthz * 1e3:.1f} ms; ingress RSS +{growth:.1f} MB"
+    )
+    assert after == before  # nothing reached a rank
+    assert worst_healthz <= 0.1 and growth <= 50
+
+
+def test_an_abandoned_flood_is_dropped(apps, chaos_images):
+    url = apps("chaos_flood", **DEFAULT_LIMITS)
+    # 64 distinct zero-filled 7000 x ~7000 PNGs (a few MB in all; ~3 GB of pixels)
+    items = [{"type": "image", "image": b64(zero_png(7000, 7000 - k))} for k in range(64)]
+    batch = {"items": items[64 - 16 :]}  # as many as one batch holds (16 x 1024 patches)
+    started = time.monotonic()
+    assert requests.post(f"{url}/v1/encode", json=batch, timeout=300).status_code == 200
+    one_batch_s = time.monotonic() - started
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(f"{url}/v1/encode", json={"items": items[: 64 - 16]}, timeout=3)
+    gone_at = time.monotonic()
+    small = [{"type": "image", "image": b64(chaos_images[0][0])}]
+    answer = requests.post(f"{url}/v1/encode", json={"items": small}, timeout=60)
+    small_s = time.monotonic() - gone_at
+    while any(
+        r["outstanding"]["images"]
+        for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    ):
+        assert time.monotonic() - gone_at < 30, "the flood's images stayed outstanding"
+        time.sleep(0.1)
+    drained_s = time.monotonic() - gone_at
+    print(f"\nflood abandoned: a small request took {small_s:.2f} s (one large batch "
+          f"{one_batch_s:.2f} s); outstanding work 0 after {drained_s:.2f} s")  # fmt: skip
+    assert answer.status_code == 200
+    assert small_s <= one_batch_s + 1.0 and drained_s <= 2.0
+
+
+def test_ingress_replica_killed_under_a_client_job(apps, chaos_images, tmp_path):
+    url = apps("chaos_ingress")
+    files = tmp_path / "in"
+    files.mkdir()
+    for k in range(160):
+        (files / f"{k:03d}.png").write_bytes(image_bytes("RGB", (40 + k % 50, 30 + k % 40), k))
+    client = Path(sys.executable).parent / "kimi-encoder"
+    load = Load(url, *chaos_images, clients=4).__enter__()
+    job = subprocess.Popen(
+        [str(client), "client", "--url", url, "--batch-size", "2", "--concurrency", "4",
+         "--out", str(tmp_path / "out"), str(files)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    while not any((tmp_path / "out").rglob("*.safetensors")):
+        assert job.poll() is None, job.stderr.read()
+        time.sleep(0.05)
+    victim = next(
+        a["Name"]
+        for a in ray._private.state.actors().values()
+        if a["State"] == "ALIVE" and "chaos_ingress#EncodeServer#" in a["Name"]
+    )
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    _, err = job.communicate(timeout=300)
+    time.sleep(2)  # the load goes on past the job: a window of answers after the kill
+    load.stop()
+    after = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
+    failed = [o for o in after if o.status != 200]
+    written = sorted(p.name for p in (tmp_path / "out").rglob("*.safetensors"))
+    causes = [(o.status, o.error[:60]) for o in failed]
+    print(f"\ningress replica killed: client job {err.strip().splitlines()[-1]}; load after "
+          f"the kill {summary(after)}; failed {causes}")  # fmt: skip
+    assert job.returncode == 0, err
+    assert len(written) == 160  # nothing lost: the client retried what the kill failed
+    assert sum(o.wrong for o in after) == 0
+    assert len(failed) <= 4  # at most the load's requests in flight on the killed replica
+    assert all(o.status is None or o.status >= 500 for o in failed)
