@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from images import MODES, image_bytes, make_image, png_claiming
+from images import MODES, RARE_FILE_MODES, image_bytes, make_image, png_claiming
 from PIL import Image
 from serve_helpers import LIMITS, b64, decode_features, encode, one_thread, rank_calls, replica_pids
 
@@ -238,6 +238,41 @@ MATRIX = [
         ["Unsupported Kimi-K3 deferred preprocessing backend: npu"],
     ),
 ]
+def grid_item(grids: list) -> dict:
+    """A pixel_values item with client-supplied ``grids`` (4 rows of zeros)."""
+    return {**pixel_item(), "grid_thws": grids}
+
+
+def form_fields(count: int) -> dict:
+    return {"files": [("image", ("a.png", GOOD))], "data": {f"x{k}": "1" for k in range(count)}}
+
+
+MATRIX += [
+    ("grid-ragged", among_good(grid_item([[1, 2, 2], [1, 2]])), 400, ["item 1: grid_thws row 1"]),
+    ("grid-above-int64", among_good(grid_item([[1, 2, 2**64]])), 400, ["past int64"]),
+    (
+        "grid-wraps-int64",
+        among_good(grid_item([[1, 2, 2], [1, 2**62 + 2, 4]])),
+        400,
+        ["item 1: grid_thws row 1", "past int64"],
+    ),
+    (
+        "duplicate-keys",
+        raw(b'{"items": [], "items": [{"type": "image", "image": "AA=="}]}', "application/json"),
+        422,
+        ["'items' more than once"],
+    ),
+    ("multipart-66-files", multipart(*[GOOD] * 66), 413, ["max_images_per_request=10"]),
+    (
+        "multipart-1mb-text",
+        {"files": [("image", ("a.png", GOOD))], "data": {"backend": "x" * (1 << 20 | 1)}},
+        413,
+        ["form limit"],
+    ),
+    ("multipart-80-fields", form_fields(80), 413, ["form limit"]),
+    ("multipart-no-boundary", raw(b"--x\r\n", "multipart/form-data"), 422, ["boundary"]),
+]
+
 # Refused by the owner rank (a valid header over a cut body); every other case is refused
 # at admission and never reaches a rank.
 AT_RANK = {"truncated-png", "truncated-jpeg", "multipart-truncated"}
@@ -302,10 +337,14 @@ def test_animated_gif_encodes_its_first_frame(url, reference):
     np.testing.assert_allclose(decode_features(got.json()["items"][0]), want.numpy(), atol=1e-5)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_every_pil_mode_succeeds(url, reference, mode):
+@pytest.mark.parametrize(
+    ("mode", "backend"),
+    [(m, "cpu") for m in MODES] + [(m, b) for m in RARE_FILE_MODES for b in ("cpu", "gpu")],
+)
+def test_every_pil_mode_succeeds(url, reference, mode, backend):
+    """Every mode a file can bring, with either backend (YCbCr, LAB, I;16B TIFFs too)."""
     data = image_bytes(mode, (45, 33), seed=5)
-    response = encode(url, [{"type": "image", "image": b64(data)}])
+    response = encode(url, [{"type": "image", "image": b64(data)}], backend=backend)
     assert response.status_code == 200, response.text
     with one_thread():
         (want,) = reference.encode([reference.plan(data)])
