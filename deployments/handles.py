@@ -1,4 +1,5 @@
-"""The ingress's rank clients: Serve deployment handles behind ``fanout.RankClient``.
+"""The ingress's rank and registry clients: Serve deployment handles behind
+``fanout.RankClient`` and ``handoff.RegistryClient``.
 
 The one place that knows Ray's exceptions. A call's failure is translated when it
 is awaited: the errors that mean "not the request's fault, send it elsewhere"
@@ -20,6 +21,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
 from .fanout import RankUnavailableError
@@ -100,3 +102,50 @@ class RankHandle:
 
     def info(self) -> RankCall:
         return RankCall(self.rank, self.handle.info.remote)
+
+
+class RegistryCall:
+    """A call to the ``HandoffRegistry`` deployment; an error the registry raised
+    (``RegistryFull``, ``ReceiveTimeout``, a bad registration) is re-raised as itself.
+    The replica being gone stays a Ray error (an internal error: Serve restarts it)."""
+
+    def __init__(self, send: Callable[[], DeploymentResponse]):
+        self.response = send()
+        self.finished = False
+
+    def __await__(self) -> Any:
+        try:
+            result = yield from self.response.__await__()
+        except asyncio.CancelledError:
+            raise  # our wait was cancelled: the call itself may still run
+        except RayTaskError as exc:
+            self.finished = True
+            if isinstance(exc.cause, UNAVAILABLE):
+                raise
+            raise exc.cause from None
+        except BaseException:
+            self.finished = True
+            raise
+        self.finished = True
+        return result
+
+    def cancel(self) -> None:
+        """Cancel the call unless it has finished (see ``RankCall.cancel``)."""
+        if not self.finished:
+            self.response.cancel()
+
+
+class RegistryHandle:
+    """The ``HandoffRegistry`` deployment as the hand-off sees it (``handoff.RegistryClient``)."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    def register(self, req: ReceiveUrlRequest) -> RegistryCall:
+        return RegistryCall(lambda: self.handle.register.remote(req))
+
+    def wait_for(self, req_id: str, timeout_s: float) -> RegistryCall:
+        return RegistryCall(lambda: self.handle.wait_for.remote(req_id, timeout_s))
+
+    def info(self) -> RegistryCall:
+        return RegistryCall(self.handle.info.remote)
