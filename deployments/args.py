@@ -267,8 +267,8 @@ class AppArgs(BaseModel):
     def _handoff_wait_fits(self) -> AppArgs:
         if self.handoff_wait_s > self.request_timeout_s:
             raise ValueError(
-                f"handoff_wait_s ({self.handoff_wait_s}) is over request_timeout_s "
-                f"({self.request_timeout_s}), which bounds every /encode part; lower "
+                f"handoff_wait_s ({self.handoff_wait_s:g}) is over request_timeout_s "
+                f"({self.request_timeout_s:g}), which bounds every /encode part; lower "
                 "handoff_wait_s or raise request_timeout_s."
             )
         return self

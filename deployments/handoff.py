@@ -130,7 +130,7 @@ class Handoff:
         self.registry = registry
         self.api_key = api_key
         self.policy = args.image_urls.policy()
-        self.ec_root = _checked_ec_root(args.ec_root)
+        self.ec_root = check_ec_root(args.ec_root)
         self._pusher: ZmqPusher | None = None
 
     @property
@@ -354,7 +354,7 @@ def _json(body: bytes, where: str) -> Any:
         ) from None
 
 
-def _checked_ec_root(value: str | None) -> Path | None:
+def check_ec_root(value: str | None) -> Path | None:
     """``ec_root`` as a directory this process can write, checked at start-up."""
     if value is None:
         return None

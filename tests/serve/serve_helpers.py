@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import base64
+import io
+import pickle
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import requests
 import torch
 
 from deployments.args import AppArgs
+from kimi_encoder.engines.sglang import EMBEDDING_DATA, MODALITY
 
 # Fast teardown: no request is in flight when an app is deleted.
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 0.5}
@@ -104,3 +108,26 @@ def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, i
             pass
     assert "ingress" in pids, "ingress replica process not found"
     return pids
+
+
+class _FrameUnpickler(pickle.Unpickler):
+    """Frame 0 without sglang: its two class names resolve to plain stand-ins."""
+
+    def find_class(self, module, name):
+        if (module, name) == EMBEDDING_DATA:
+            return SimpleNamespace
+        if (module, name) == MODALITY:
+            return lambda value: ("Modality", value)
+        return super().find_class(module, name)
+
+
+def read_part(frames: list[bytes]) -> tuple[SimpleNamespace, torch.Tensor | None]:
+    """A pushed part: frame 0's attributes and the embedding of frame 1 (None for an
+    error frame, which comes alone)."""
+    meta = _FrameUnpickler(io.BytesIO(frames[0])).load()
+    if meta.error_msg is not None:
+        assert len(frames) == 1, f"an error frame comes alone, got {len(frames)} frames"
+        return meta, None
+    assert len(frames) == 2, f"a part is two frames, got {len(frames)}"
+    embedding = torch.frombuffer(bytearray(frames[1]), dtype=meta.dtype).reshape(meta.shape)
+    return meta, embedding

@@ -2,8 +2,9 @@
 
 One app of its own: an API key, one rank whose forward the test can hold or fail
 (controlled.py), one call at a time at the rank and a queue of one, a short request
-timeout. Each case is produced by what a client or a fault really does, and must
-answer the row's status and error type in the JSON envelope.
+timeout, short hand-off waits and room for one part in the hand-off registry. Each
+case is produced by what a client or a fault really does, and must answer the row's
+status and error type in the JSON envelope.
 """
 
 from __future__ import annotations
@@ -14,17 +15,20 @@ import time
 import pytest
 import ray
 import requests
+import zmq
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from pydantic import ValidationError
 from ray import serve
-from serve_helpers import app_args, b64
+from serve_helpers import app_args, b64, free_port
 
 from deployments.admission import FormError, UnsupportedMediaTypeError
 from deployments.app import bind_app
 from deployments.errors import ERRORS
 from deployments.fanout import NoRankAvailableError, RequestTimeoutError
 from deployments.security import UnauthorizedError
+from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull
+from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 pytestmark = pytest.mark.serve
@@ -49,6 +53,9 @@ def url(serve_url, board, tmp_path_factory):
         api_key_file=str(key_file),
         request_timeout_s=3,
         rank_cooldown_s=0.5,
+        handoff_wait_s=1,
+        handoff_send_timeout_s=1,
+        handoff_max_pending=1,
         feature_cache_bytes=0,
         calibration_grids=[],
         rank_options={"max_ongoing_requests": 1, "max_queued_requests": 1},
@@ -120,6 +127,54 @@ def failing_forward(url: str, board) -> requests.Response:
         ray.get(board.set.remote(0, "run"))
 
 
+def part(req_id: str, port: int | None = None) -> dict:
+    """An sglang /encode body of one image; ``port`` set: zmq_to_tokenizer."""
+    return {
+        "req_id": req_id,
+        "modality": "IMAGE",
+        "mm_items": [b64(IMAGE)],
+        "num_parts": 1,
+        "part_idx": 0,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": port,
+    }
+
+
+def register(url: str, req_id: str, address: str, count: int) -> requests.Response:
+    body = {"req_id": req_id, "receive_count": count, "receive_url": address, "modality": "IMAGE"}
+    return requests.post(f"{url}/scheduler_receive_url", headers=AUTH, json=body, timeout=60)
+
+
+def push_to_nobody(url: str, board) -> requests.Response:
+    """The part's receive port has nothing listening: the push gives up after
+    handoff_send_timeout_s."""
+    port = free_port()
+    return requests.post(f"{url}/encode", headers=AUTH, json=part("gone", port), timeout=60)
+
+
+def registry_full(url: str, board) -> requests.Response:
+    """handoff_max_pending=1: a part with one of its two ranks registered holds the only
+    entry, so another part's registration is refused; then the first part completes."""
+    ctx = zmq.Context()
+    try:
+        socks = [ctx.socket(zmq.PULL) for _ in range(2)]
+        addresses = [f"127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in socks]
+        assert register(url, "held", addresses[0], 2).status_code == 200
+        refused = register(url, "other", addresses[0], 1)
+        assert register(url, "held", addresses[1], 2).status_code == 200
+        done = requests.post(f"{url}/encode", headers=AUTH, json=part("held"), timeout=60)
+        assert done.status_code == 200, done.text
+        assert all(s.poll(30_000) for s in socks)
+        return refused
+    finally:
+        ctx.destroy(linger=0)
+
+
+def nobody_registers(url: str, board) -> requests.Response:
+    """A zmq_to_scheduler part whose ranks never say where they listen (handoff_wait_s=1)."""
+    return requests.post(f"{url}/encode", headers=AUTH, json=part("unheard"), timeout=60)
+
+
 CASES = {
     EncoderInputError: lambda url, board: post(
         url, json={"items": [{"type": "image", "image": "%%%"}]}
@@ -138,6 +193,9 @@ CASES = {
     ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
     NoRankAvailableError: past_the_queue,
     RequestTimeoutError: held_past_the_timeout,
+    PushError: push_to_nobody,
+    RegistryFull: registry_full,
+    ReceiveTimeout: nobody_registers,
     RuntimeError: failing_forward,  # no row: any other exception is an internal error
 }
 
