@@ -349,8 +349,7 @@ def _json(body: bytes, where: str) -> Any:
         return json.loads(body)
     except ValueError as exc:
         raise EncoderInputError(
-            f"{where} body is not JSON ({exc}); send the JSON object sglang "
-            f"{SGLANG_VERSION} sends."
+            f"{where} body is not JSON ({exc}); send the JSON object sglang {SGLANG_VERSION} sends."
         ) from None
 
 

@@ -53,9 +53,7 @@ document_request_models(api)
 class EncodeServer:
     """Ingress: admission and owner assignment here, encoding on the owner ranks."""
 
-    def __init__(
-        self, ranks: list[DeploymentHandle], args: AppArgs, registry: DeploymentHandle
-    ):
+    def __init__(self, ranks: list[DeploymentHandle], args: AppArgs, registry: DeploymentHandle):
         assert len(ranks) == args.dp_size, (len(ranks), args.dp_size)
         self.args = args
         vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
