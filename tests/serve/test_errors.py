@@ -20,7 +20,7 @@ from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from pydantic import ValidationError
 from ray import serve
-from serve_helpers import app_args, b64, free_port
+from serve_helpers import app_args, b64, free_port, read_part
 
 from deployments.admission import FormError, UnsupportedMediaTypeError
 from deployments.app import bind_app
@@ -215,6 +215,29 @@ def test_error_answers_its_row(settled, board, error):
         assert int(response.headers["Retry-After"]) >= 1
     if status == 401:
         assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_held_part_is_answered_at_the_timeout_with_an_error_frame(settled, board):
+    """sglang /encode while the rank holds the forward: the part's error frame, then 504
+    with sglang's body, within request_timeout_s=3 (no time is asserted: it is answered)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ray.get(board.set.remote(0, "hold"))
+    try:
+        body = part("held", port)
+        response = requests.post(f"{settled}/encode", headers=AUTH, json=body, timeout=60)
+        assert sock.poll(30_000), "no error frame was pushed"
+        frames = sock.recv_multipart()
+    finally:
+        ray.get(board.set.remote(0, "run"))
+        ctx.destroy(linger=0)
+    assert response.status_code == 504, response.text
+    body = response.json()
+    assert (body["status"], body["req_id"], body["error"]["type"]) == ("error", "held", "timeout")
+    assert "request_timeout_s=3" in body["message"]
+    meta, embedding = read_part(frames)
+    assert embedding is None and (meta.error_msg, meta.error_code) == (body["message"], 504)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,9 @@ vLLM's own code against the same routes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
@@ -57,8 +59,9 @@ def url(serve_url, ec_root):
 
 @pytest.fixture(scope="module")
 def bf16_url(serve_url):
-    """dp 1 in bfloat16, no ec_root."""
-    args = app_args(dp_size=1, dtype="bfloat16", **REFERENCE_PATH)
+    """dp 1 in bfloat16, no ec_root, image URLs fetched (loopback allowed)."""
+    urls = {"allow_http": True, "allow_private_networks": True}
+    args = app_args(dp_size=1, dtype="bfloat16", image_urls=urls, **REFERENCE_PATH)
     serve.run(bind_app(args), name=BF16_APP, route_prefix=f"/{BF16_APP}")
     yield f"{serve_url}/{BF16_APP}"
     serve.delete(BF16_APP)
@@ -159,6 +162,37 @@ def test_bfloat16_part_is_the_float32_features_rounded(bf16_url, pull):
     meta, embedding = receive(sock)
     assert meta.dtype == torch.bfloat16
     assert_part(meta, embedding, "bf16_local_part_0", want, items)
+
+
+@pytest.fixture
+def image_server():
+    """An HTTP server on loopback answering GET /image with IMAGES[2]."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/image" else 404)
+            self.send_header("Content-Length", str(len(IMAGES[2])))
+            self.end_headers()
+            self.wfile.write(IMAGES[2])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    thread.join()
+
+
+def test_http_image_url_is_fetched_where_allowed(bf16_url, pull, image_server):
+    sock, address = pull()
+    want, items = v1_encode(bf16_url, IMAGES[2:3])
+    body = part("url_local_part_0", [f"{image_server}/image"], address)
+    response = post(bf16_url, "/encode", body)
+    assert response.status_code == 200, response.text
+    assert_part(*receive(sock), "url_local_part_0", want, items)
 
 
 def parts_pending(url: str) -> int:
