@@ -76,10 +76,6 @@ def test_cpu_config_fits_two_cores():
         ({"num_ranks": 2}, "Extra inputs are not permitted"),
         ({"ingress_actor_options": {"num_gpus": 1}}, "ingress_actor_options.num_gpus must be 0"),
         ({"ec_root": "ec"}, "ec_root must be an absolute directory, got 'ec'"),
-        (
-            {"handoff_wait_s": 90},
-            r"handoff_wait_s \(90\) is over request_timeout_s \(60\)",
-        ),
         ({"image_urls": {"max_bytes": 0}}, "image_urls.max_bytes"),
         ({"rank_options": {"max_ongoing_requests": 0}}, "max_ongoing_requests"),
         (
@@ -95,7 +91,6 @@ def test_cpu_config_fits_two_cores():
         "extra",
         "ingress-gpu",
         "ec-root",
-        "handoff-wait",
         "url-bytes",
         "ongoing",
         "queue",
