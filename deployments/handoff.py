@@ -69,6 +69,7 @@ from . import errors
 from .admission import Admission, Admitted, read_body
 from .args import AppArgs
 from .fanout import Call, FanOut, Gathered, NoRankAvailableError, RequestTimeoutError
+from .metrics import RequestTrace
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
 
@@ -158,7 +159,7 @@ class Handoff:
             "registry": registry,
         }
 
-    async def encode(self, request: Request, trace) -> None:
+    async def encode(self, request: Request, trace: RequestTrace) -> None:
         """``POST /encode``: encode one part and push its frames; returns once they are sent.
 
         Raises ``errors.PartFailedError`` (after pushing the error frame) on any failure.
@@ -247,7 +248,7 @@ class Handoff:
             for uuid, array in zip(uuids, gathered.features, strict=True)
         ]
 
-    async def _frames(self, req: EncodeRequest, trace) -> list[Frame]:
+    async def _frames(self, req: EncodeRequest, trace: RequestTrace) -> list[Frame]:
         images = await asyncio.to_thread(load_images, req, self.policy)
         admitted = self.admission.admit_files(images, None, self.args.dtype)
         trace.admitted(admitted.items)
