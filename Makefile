@@ -47,7 +47,8 @@ clean:
 	rm -rf $(VENV) .pytest_cache
 
 # sglang's and vLLM's own code, each in its own environment, checking what
-# kimi_encoder/engines writes (tests/interop). Our side runs under $(PY).
+# kimi_encoder/engines writes and what the served application (`serve run`, started
+# by the tests) pushes and writes (tests/interop). Our side runs under $(PY).
 SGLANG_VENV := .venv-sglang
 VLLM_VENV := .venv-vllm
 
@@ -67,6 +68,7 @@ interop-env: $(SGLANG_VENV)/.installed $(VLLM_VENV)/.installed
 
 interop: interop-env $(STAMP)
 	KIMI_ENCODER_PYTHON=$(abspath $(PY)) $(SGLANG_VENV)/bin/python -m pytest \
-	  -c tests/interop/pytest.ini tests/interop/test_sglang.py $(PYTEST_ARGS)
+	  -c tests/interop/pytest.ini tests/interop/test_sglang.py tests/interop/test_sglang_service.py \
+	  $(PYTEST_ARGS)
 	KIMI_ENCODER_PYTHON=$(abspath $(PY)) VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest \
 	  -c tests/interop/pytest.ini tests/interop/test_vllm.py $(PYTEST_ARGS)

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from . import bench_assign, bench_encoder, bench_memory, bench_serve, bench_wire
+from . import bench_assign, bench_encoder, bench_handoff, bench_memory, bench_serve, bench_wire
 from .common import ROOT, conditions, table
 
 TARGETS = {
@@ -22,6 +22,7 @@ TARGETS = {
     "assign": "ours <= 1.1",
     "cache": "hit >= 10x faster",
     "tower": ">= 1.0x",
+    "handoff": "hand-off >= 0.5x plain ZMQ and >= 2x the HTTP body, in MB/s",
 }
 
 
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     note, rows = bench_memory.run(quick)
     parts += ["## 7. Peak resident memory per rank", "", note, ""]
     parts += [table(bench_memory.HEADER, rows), ""]
+
+    print("engine hand-off (item 8)...", flush=True)
+    note, rows = bench_handoff.run(quick)
+    parts += [f"## 8. Engine hand-off (target: {TARGETS['handoff']})", "", note, ""]
+    parts += [table(bench_handoff.HEADER, rows), ""]
 
     print("response assembly (zero-copy)...", flush=True)
     note, rows = bench_wire.run(quick)

@@ -25,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
 from kimi_encoder.config import PreprocessConfig, VisionConfig
+from kimi_encoder.engines.vllm import check_uuid
 from kimi_encoder.features import FEATURE_DTYPES
 from kimi_encoder.items import (
     BACKENDS,
@@ -39,7 +40,7 @@ from kimi_encoder.items import (
 )
 
 from .args import AppArgs, BodyPace
-from .schemas import EncodeRequest, ImageItem, ResponseFormat
+from .schemas import EncodeRequest, ImageItem, ResponseFormat, VllmEcOutput
 
 FORM_FIELDS = ("image", "response_format", "backend", "feature_dtype")
 
@@ -96,6 +97,10 @@ class BodySlots:
             self.reading -= 1
 
 
+class OutputNotConfiguredError(EncoderInputError):
+    """A request asks for an output this server is not configured to write (HTTP 400)."""
+
+
 @dataclass
 class Admitted:
     """Items ready for dispatch (one grid each), the request item each came from, and how
@@ -105,6 +110,7 @@ class Admitted:
     sources: list[int]
     feature_dtype: str
     response_format: ResponseFormat = "json"
+    output: VllmEcOutput | None = None  # None: the features are the answer
 
     @property
     def patches(self) -> int:
@@ -197,7 +203,50 @@ class Admission:
             sources += [index] * len(new)
             self._check_count(len(items))
         dtype = request.feature_dtype or self.args.default_feature_dtype
-        return self._checked(Admitted(items, sources, dtype, request.response_format))
+        if request.output is not None:
+            self._check_ec_output(request, len(items))
+            dtype = self.args.rank_dtype
+        admitted = Admitted(items, sources, dtype, request.response_format, request.output)
+        return self._checked(admitted)
+
+    def _check_ec_output(self, request: EncodeRequest, count: int) -> None:
+        """An output of kind 'vllm_ec': configured, one valid, distinct uuid per item,
+        JSON metadata in the model's dtype."""
+        assert request.output is not None
+        if self.args.ec_root is None:
+            raise OutputNotConfiguredError(
+                "output kind 'vllm_ec' needs an encoder-cache directory and this server has "
+                "none; set args.ec_root to the vLLM consumer's shared_storage_path (an "
+                "absolute directory the ingress can write) and redeploy."
+            )
+        uuids = request.output.uuids
+        if len(uuids) != count:
+            raise EncoderInputError(
+                f"output.uuids has {len(uuids)} entries for {count} images (after splitting "
+                "aggregated items); send one uuid per image, in order."
+            )
+        if request.response_format != "json":
+            raise EncoderInputError(
+                f"output kind 'vllm_ec' answers JSON metadata, not {request.response_format!r}; "
+                "drop response_format."
+            )
+        if request.feature_dtype not in (None, self.args.rank_dtype):
+            raise EncoderInputError(
+                f"output kind 'vllm_ec' stores the model's dtype ({self.args.rank_dtype}), not "
+                f"{request.feature_dtype!r}; drop feature_dtype."
+            )
+        first: dict[str, int] = {}
+        for index, uuid in enumerate(uuids):
+            try:
+                check_uuid(uuid)
+            except ValueError as exc:
+                raise EncoderInputError(f"output.uuids[{index}]: {exc}") from None
+            if uuid in first:
+                raise EncoderInputError(
+                    f"output.uuids[{index}] {uuid!r} repeats output.uuids[{first[uuid]}]; "
+                    "each uuid names one cache entry: send distinct uuids."
+                )
+            first[uuid] = index
 
     def admit_files(
         self, files: list[bytes], backend: str | None, feature_dtype: str | None = None

@@ -3,10 +3,12 @@
 Configs name it as ``import_path: deployments.app:build_app``; Serve validates
 the ``args:`` block into ``AppArgs`` (a bad value fails the deploy). Every
 deployment option comes from ``AppArgs``: ``dp_size`` ranks, each with
-``rank_actor_options`` and ``rank_options``, and ``ingress_replicas`` ingress
-replicas with ``ingress_options``. A config's ``deployments:`` entries are only
-for overriding one deployment; one that gives a rank other resources than
-``rank_actor_options`` is refused when that rank starts (``rank.check_resources``).
+``rank_actor_options`` and ``rank_options``, ``ingress_replicas`` ingress
+replicas with ``ingress_options``, and one ``HandoffRegistry`` replica (the
+sglang receive addresses all ingress replicas share, no CPU reserved). A
+config's ``deployments:`` entries are only for overriding one deployment; one
+that gives a rank other resources than ``rank_actor_options`` is refused when
+that rank starts (``rank.check_resources``).
 """
 
 # No `from __future__ import annotations` here: Serve reads build_app's parameter
@@ -22,12 +24,16 @@ from kimi_encoder.config import PRESETS
 from kimi_encoder.encoder import VisionEncoder
 
 from .args import AppArgs
+from .handoff import HandoffRegistry
 from .ingress import EncodeServer
 from .rank import EncoderFactory, EncoderRank
 
 log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "EncodeServer"
+REGISTRY_NAME = "HandoffRegistry"
+# Registry calls beyond the parts waiting for addresses: registrations, which return at once.
+REGISTRY_SLOTS = 256
 # Past the queues the proxy answers 503 with Retry-After (a rank's caller sends its
 # images to another rank).
 BACKPRESSURE = {"status_code": 503, "retry_after_s": 1}
@@ -79,4 +85,15 @@ def bind_app(
         backpressure_config=BACKPRESSURE,
         **args.ingress_options.model_dump(),
     )
-    return ingress.bind(ranks, args)
+    # One replica: a part's /scheduler_receive_url and /encode may reach different
+    # ingress replicas. Each waiting part holds one call (up to handoff_max_pending).
+    registry = serve.deployment(HandoffRegistry).options(
+        name=REGISTRY_NAME,
+        num_replicas=1,
+        ray_actor_options=args.ingress_actor_options.model_dump() | {"num_cpus": 0},
+        max_ongoing_requests=args.handoff_max_pending + REGISTRY_SLOTS,
+        max_queued_requests=args.handoff_max_pending,
+        graceful_shutdown_wait_loop_s=args.ingress_options.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=args.ingress_options.graceful_shutdown_timeout_s,
+    )
+    return ingress.bind(ranks, args, registry.bind(args))

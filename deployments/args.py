@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import PurePath
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.items import resolve_backend
 
 from .batcher import BatchingConfig
@@ -73,6 +75,29 @@ class ServeOptions(BaseModel):
                 f"max_queued_requests must be -1 (unbounded) or at least 1, got {value}."
             )
         return value
+
+
+class ImageUrlOptions(BaseModel):
+    """How the engine hand-off reads an http(s) image URL that a prefill forwards (sglang's
+    ``mm_items``). Data URLs and base64 are always decoded locally; ``file://``, local
+    paths and other schemes are always refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # Off by default: fetching a client's URL makes the server a client of anyone.
+    allow_http: bool = Field(
+        False, description="Fetch http(s) image URLs (one GET, no redirects); off: refused."
+    )
+    allow_private_networks: bool = Field(
+        False,
+        description="Also fetch from loopback, private and link-local addresses (checked "
+        "after resolving the host); off: public addresses only.",
+    )
+    max_bytes: int = Field(64 << 20, ge=1, description="Largest image one URL may send.")
+    timeout_s: float = Field(10.0, gt=0, description="Longest one URL fetch may take.")
+
+    def policy(self) -> FetchPolicy:
+        return FetchPolicy(**self.model_dump())
 
 
 class AppArgs(BaseModel):
@@ -245,6 +270,54 @@ class AppArgs(BaseModel):
         description="Longest age of the ranks' load reports (other ingress replicas' work and "
         "the cost model) used in owner assignment; a request polls when they are older.",
     )
+
+    image_urls: ImageUrlOptions = Field(
+        default_factory=ImageUrlOptions,
+        description="Fetch policy of http(s) image URLs in sglang /encode parts (off by default).",
+    )
+    ec_root: str | None = Field(
+        None,
+        description="Absolute directory of vLLM's encoder cache (the consumer's "
+        "ECExampleConnector shared_storage_path, on storage it shares with the ingress); "
+        "/v1/encode writes there when a request asks for output kind 'vllm_ec'. None: "
+        "that output is refused.",
+    )
+    # sglang's prefill gives up on a part after SGLANG_ENCODER_RECV_TIMEOUT (180 s).
+    handoff_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="Longest an /encode part waits for its scheduler ranks' "
+        "/scheduler_receive_url addresses (zmq_to_scheduler); the part's request_timeout_s "
+        "caps it.",
+    )
+    handoff_send_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest a push of a part's frames to one prefill address may wait (a "
+        "receiver that is gone or not reading costs this once).",
+    )
+    handoff_max_pending: int = Field(
+        4096,
+        ge=1,
+        description="Parts whose receive addresses are awaited or held at once, over all "
+        "ingress replicas; past it /encode and /scheduler_receive_url answer 503.",
+    )
+    handoff_address_ttl_s: float = Field(
+        180.0,
+        gt=0,
+        description="Registered receive addresses whose /encode never came are forgotten "
+        "after this many seconds.",
+    )
+
+    @field_validator("ec_root")
+    @classmethod
+    def _absolute_ec_root(cls, value: str | None) -> str | None:
+        if value is not None and not PurePath(value).is_absolute():
+            raise ValueError(
+                f"ec_root must be an absolute directory, got {value!r}; give the consumer's "
+                "shared_storage_path as it is mounted on the ingress's node."
+            )
+        return value
 
     @field_validator("calibration_grids")
     @classmethod

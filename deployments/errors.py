@@ -17,6 +17,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
+from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull, error_body
+from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 from .admission import (
@@ -42,17 +44,33 @@ ERRORS: dict[type[BaseException], tuple[int, str]] = {
     UnsupportedFormatError: (415, "unsupported_media_type"),
     MalformedBodyError: (422, "validation_error"),
     ValidationError: (422, "validation_error"),
+    PushError: (502, "bad_gateway"),
     NoRankAvailableError: (503, "unavailable"),
     IngressBusyError: (503, "unavailable"),
+    RegistryFull: (503, "unavailable"),
     RequestTimeoutError: (504, "timeout"),
+    ReceiveTimeout: (504, "timeout"),
 }
 INTERNAL = (500, "internal_error")
 # The outcome label of the request metrics: every error type, plus these two.
 OUTCOMES = ("ok", *dict.fromkeys(kind for _, kind in [*ERRORS.values(), INTERNAL]), "cancelled")
 
 
+class PartFailedError(Exception):
+    """An sglang ``/encode`` part failed with ``cause``: answered as the cause, with the
+    part's ``req_id`` and the ``message`` also at the top of the body, where sglang's
+    prefill reads them."""
+
+    def __init__(self, req_id: str | None, cause: BaseException):
+        super().__init__(str(cause))
+        self.req_id = req_id
+        self.cause = cause
+
+
 def classify(exc: BaseException) -> tuple[int, str]:
     """(HTTP status, error type) of ``exc``; anything without a row is an internal error."""
+    if isinstance(exc, PartFailedError):
+        exc = exc.cause
     for cls in type(exc).__mro__:
         if cls in ERRORS:
             return ERRORS[cls]
@@ -60,32 +78,47 @@ def classify(exc: BaseException) -> tuple[int, str]:
 
 
 def error_response(
-    status: int, kind: str, message: str, headers: Mapping[str, str] | None = None
+    status: int,
+    kind: str,
+    message: str,
+    headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, object] | None = None,
 ) -> JSONResponse:
-    """The one error envelope: ``{"error": {"type", "message"}}``."""
-    body = {"error": {"type": kind, "message": message}}
+    """The one error envelope: ``{"error": {"type", "message"}}`` (plus ``extra`` keys)."""
+    body = {**(extra or {}), "error": {"type": kind, "message": message}}
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
 def error_headers(exc: BaseException) -> dict[str, str]:
     if (retry := getattr(exc, "retry_after_s", None)) is not None:
         return {"Retry-After": str(retry)}
+    if isinstance(exc, RegistryFull):
+        return {"Retry-After": "1"}
     if isinstance(exc, UnauthorizedError):
         return {"WWW-Authenticate": "Bearer"}
     return {}
 
 
+def message_of(exc: BaseException) -> str:
+    """The message a client gets for ``exc``."""
+    if isinstance(exc, PartFailedError):
+        exc = exc.cause
+    if isinstance(exc, ValidationError):
+        return validation_message(exc)
+    if classify(exc) == INTERNAL:
+        return f"{type(exc).__name__}: {exc}"
+    return str(exc)
+
+
 def response_for(exc: BaseException) -> JSONResponse:
     """The JSON error answering ``exc`` (an unexpected one is logged with its traceback)."""
-    status, kind = classify(exc)
-    if isinstance(exc, ValidationError):
-        message = validation_message(exc)
-    elif (status, kind) == INTERNAL:
-        log.error("request failed", exc_info=exc)
-        message = f"{type(exc).__name__}: {exc}"
-    else:
-        message = str(exc)
-    return error_response(status, kind, message, error_headers(exc))
+    cause = exc.cause if isinstance(exc, PartFailedError) else exc
+    status, kind = classify(cause)
+    if (status, kind) == INTERNAL:
+        log.error("request failed", exc_info=cause)
+    message = message_of(cause)
+    extra = error_body(exc.req_id, message) if isinstance(exc, PartFailedError) else None
+    return error_response(status, kind, message, error_headers(cause), extra)
 
 
 def validation_message(exc: ValidationError) -> str:
@@ -144,7 +177,7 @@ def install(app: FastAPI) -> None:
         kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, kind, str(exc.detail), exc.headers)
 
-    for exc_type in ERRORS:
+    for exc_type in (*ERRORS, PartFailedError):
         app.add_exception_handler(exc_type, on_error)
     app.add_exception_handler(HTTPException, on_http)
     app.add_middleware(_Unexpected)

@@ -1,4 +1,5 @@
-"""The ingress's rank clients: Serve deployment handles behind ``fanout.RankClient``.
+"""The ingress's rank and registry clients: Serve deployment handles behind
+``fanout.RankClient`` and ``handoff.RegistryClient``.
 
 The one place that knows Ray's exceptions and Serve's routing. A call first asks
 Serve's router for a replica of the rank (``choose_replica``), within
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -26,8 +28,9 @@ from ray.serve.exceptions import (
     DeploymentUnavailableError,
     ReplicaUnavailableError,
 )
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
+from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
 from .fanout import RankUnavailableError
@@ -126,3 +129,50 @@ class RankHandle:
     def _call(self, method: str, *args, **kwargs) -> RankCall:
         handle = self.handle.options(method_name=method)
         return RankCall(self.rank, handle, self.route_timeout_s, *args, **kwargs)
+
+
+class RegistryCall:
+    """A call to the ``HandoffRegistry`` deployment; an error the registry raised
+    (``RegistryFull``, ``ReceiveTimeout``, a bad registration) is re-raised as itself.
+    The replica being gone stays a Ray error (an internal error: Serve restarts it)."""
+
+    def __init__(self, send: Callable[[], DeploymentResponse]):
+        self.response = send()
+        self.finished = False
+
+    def __await__(self) -> Any:
+        try:
+            result = yield from self.response.__await__()
+        except asyncio.CancelledError:
+            raise  # our wait was cancelled: the call itself may still run
+        except RayTaskError as exc:
+            self.finished = True
+            if isinstance(exc.cause, UNAVAILABLE):
+                raise
+            raise exc.cause from None
+        except BaseException:
+            self.finished = True
+            raise
+        self.finished = True
+        return result
+
+    def cancel(self) -> None:
+        """Cancel the call unless it has finished (see ``RankCall.cancel``)."""
+        if not self.finished:
+            self.response.cancel()
+
+
+class RegistryHandle:
+    """The ``HandoffRegistry`` deployment as the hand-off sees it (``handoff.RegistryClient``)."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    def register(self, req: ReceiveUrlRequest) -> RegistryCall:
+        return RegistryCall(lambda: self.handle.register.remote(req))
+
+    def wait_for(self, req_id: str, timeout_s: float) -> RegistryCall:
+        return RegistryCall(lambda: self.handle.wait_for.remote(req_id, timeout_s))
+
+    def info(self) -> RegistryCall:
+        return RegistryCall(self.handle.info.remote)

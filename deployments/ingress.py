@@ -1,8 +1,10 @@
 """``EncodeServer``: the HTTP ingress (FastAPI). Routes and wiring only.
 
 Admission is ``admission.py``, owner assignment ``dispatch.py``, the fan-out to the
-ranks and the ordered gather ``fanout.py``, response bodies ``wire.py``, and every
-error's status and JSON envelope ``errors.py`` (routes raise, handlers answer).
+ranks and the ordered gather ``fanout.py``, response bodies ``wire.py``, the engine
+hand-off (sglang's ``/encode``, ``/scheduler_receive_url``, ``/health``; vLLM
+encoder-cache files) ``handoff.py``, and every error's status and JSON envelope
+``errors.py`` (routes raise, handlers answer).
 """
 
 # No `from __future__ import annotations`: Serve's class-based FastAPI view re-signs the
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -25,7 +27,8 @@ from .admission import Admission, BodySlots
 from .args import AppArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut, RankHealth
-from .handles import RankHandle
+from .handles import RankHandle, RegistryHandle
+from .handoff import Handoff
 from .metrics import IngressMetrics
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
@@ -50,7 +53,7 @@ document_request_models(api)
 class EncodeServer:
     """Ingress: admission and owner assignment here, encoding on the owner ranks."""
 
-    def __init__(self, ranks: list[DeploymentHandle], args: AppArgs):
+    def __init__(self, ranks: list[DeploymentHandle], args: AppArgs, registry: DeploymentHandle):
         assert len(ranks) == args.dp_size, (len(ranks), args.dp_size)
         self.args = args
         vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
@@ -81,6 +84,9 @@ class EncodeServer:
             slow_factor=args.rank_slow_factor,
             in_flight=self.metrics.dispatched,
         )
+        self.handoff = Handoff(
+            args, self.admission, self.fanout, RegistryHandle(registry), self.api_key
+        )
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
     @api.post("/v1/encode", summary="Encode images into LLM-space features", **ENCODE_OPENAPI)
@@ -95,6 +101,8 @@ class EncodeServer:
             trace.admitted(admitted.items)
             gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
             trace.gathered(gathered)
+            if admitted.output is not None:
+                return await self.handoff.write_ec(self.model_name, admitted, gathered)
             if admitted.response_format == "safetensors":
                 response = safetensors_response(self.model_name, admitted, gathered)
                 response.headers["X-Timings-Ms"] = json.dumps(trace.timings())
@@ -115,6 +123,7 @@ class EncodeServer:
             "dp_size": len(self.ranks),
             "assignment": self.dispatcher.info(),
             "failover": self.health.info(),
+            "handoff": await self.handoff.info(),
             "ranks": ranks,
         }
 
@@ -131,6 +140,23 @@ class EncodeServer:
 
     @api.get("/healthz", summary="Liveness of the ingress")
     async def healthz(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    @api.post("/encode", summary="sglang 0.5.23 encoder: encode one part, push it over ZMQ")
+    async def sglang_encode(self, request: Request) -> Response:
+        """One part of an sglang prefill's images; answered once its frames are sent."""
+        with self.metrics.trace(request.headers.get("x-request-id", "")) as trace:
+            await self.handoff.encode(request, trace)
+        return JSONResponse(None)
+
+    @api.post("/scheduler_receive_url", summary="sglang 0.5.23: where a prefill rank receives")
+    async def scheduler_receive_url(self, request: Request) -> Response:
+        await self.handoff.register(request)
+        return JSONResponse(None)
+
+    @api.get("/health", summary="sglang 0.5.23 encoder health: 200 while a rank answers")
+    async def sglang_health(self) -> dict[str, str]:
+        await self.handoff.check_health()
         return {"status": "ok"}
 
     async def _rank_info(self, rank: RankHandle) -> dict[str, Any]:

@@ -90,6 +90,22 @@ Item = Annotated[
 ]
 
 
+class VllmEcOutput(BaseModel):
+    """Write each item's features as a vLLM encoder-cache entry instead of returning them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["vllm_ec"] = Field(
+        description="vLLM 0.33.0 ECExampleConnector files under the server's ec_root."
+    )
+    uuids: list[str] = Field(
+        min_length=1,
+        description="One identifier per item after splitting, in order: the uuid the client "
+        "puts on the image's content part for the consumer (its mm_hash); each names one "
+        "directory under ec_root.",
+    )
+
+
 class EncodeRequest(BaseModel):
     """JSON body of ``POST /v1/encode``."""
 
@@ -113,6 +129,12 @@ class EncodeRequest(BaseModel):
         None,
         description="Element type of the returned features: float32, bfloat16 or float16; "
         "default: the server's feature_dtype (the model's dtype unless configured).",
+    )
+    output: VllmEcOutput | None = Field(
+        None,
+        description="Where features go: null returns them; 'vllm_ec' writes vLLM "
+        "encoder-cache files in the model's dtype before answering, and answers metadata "
+        "only (EcWriteResponse).",
     )
 
 
@@ -178,6 +200,27 @@ class EncodeResponse(BaseModel):
     )
 
 
+class EcEntry(BaseModel):
+    index: int = Field(description="Position of this image in the request, after splitting.")
+    uuid: str = Field(description="The entry's identifier (its directory under ec_root).")
+    path: str = Field(description="The file, relative to ec_root.")
+    grid_thw: list[int] = Field(description="[1, h, w] patch grid of the image.")
+    num_tokens: int = Field(description="Rows of the entry's ec_cache tensor.")
+    owner_rank: int = Field(description="Encoder rank that encoded this image.")
+    shape: list[int] = Field(description="[num_tokens, text_hidden_size].")
+    dtype: FeatureDtype = Field(description="Element type stored: the model's dtype.")
+    bytes: int = Field(description="Size of the file written.")
+
+
+class EcWriteResponse(BaseModel):
+    """JSON answer of ``POST /v1/encode`` with output kind 'vllm_ec': the files are complete
+    (renamed into place and synced) when it is sent."""
+
+    model: str = Field(description="Checkpoint name, or 'preset:NAME'.")
+    items: list[EcEntry] = Field(description="One entry per image, in request order.")
+    usage: Usage
+
+
 class ErrorBody(BaseModel):
     type: str = Field(description="Error class, e.g. invalid_request, limit_exceeded.")
     message: str = Field(description="What was received, what is allowed and how to fix it.")
@@ -236,6 +279,11 @@ class InfoResponse(BaseModel):
         description="Rank failures seen by this ingress replica: ranks_up, unavailable_errors "
         "per rank, redispatched_images, cooldown_s.",
     )
+    handoff: dict[str, Any] | None = Field(
+        None,
+        description="Engine hand-off: the pinned protocol versions (sglang, vllm), whether "
+        "vllm_ec output is configured and whether image URLs are fetched.",
+    )
     ranks: list[RankInfo] = Field(description="Each rank's own report (calls, items, device...).")
 
 
@@ -275,7 +323,7 @@ _SAFETENSORS_DOC = (
 )
 # Keyword arguments of the route decorator.
 ENCODE_OPENAPI: dict[str, Any] = {
-    "response_model": EncodeResponse,
+    "response_model": EncodeResponse | EcWriteResponse,
     "responses": {
         200: {
             "content": {

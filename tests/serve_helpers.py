@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import base64
+import io
+import pickle
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import ray
@@ -14,6 +17,7 @@ import requests
 import torch
 
 from deployments.args import AppArgs
+from kimi_encoder.engines.sglang import EMBEDDING_DATA, MODALITY
 from kimi_encoder.features import from_bytes, to_float32
 
 # Fast teardown: no request is in flight when an app is deleted.
@@ -119,3 +123,26 @@ def replica_actor(app: str, rank: int):
     ]
     assert len(alive) == 1, [a["Name"] for a in alive]
     return ray.get_actor(alive[0]["Name"], namespace="serve")
+
+
+class _FrameUnpickler(pickle.Unpickler):
+    """Frame 0 without sglang: its two class names resolve to plain stand-ins."""
+
+    def find_class(self, module, name):
+        if (module, name) == EMBEDDING_DATA:
+            return SimpleNamespace
+        if (module, name) == MODALITY:
+            return lambda value: ("Modality", value)
+        return super().find_class(module, name)
+
+
+def read_part(frames: list[bytes]) -> tuple[SimpleNamespace, torch.Tensor | None]:
+    """A pushed part: frame 0's attributes and the embedding of frame 1 (None for an
+    error frame, which comes alone)."""
+    meta = _FrameUnpickler(io.BytesIO(frames[0])).load()
+    if meta.error_msg is not None:
+        assert len(frames) == 1, f"an error frame comes alone, got {len(frames)} frames"
+        return meta, None
+    assert len(frames) == 2, f"a part is two frames, got {len(frames)}"
+    embedding = torch.frombuffer(bytearray(frames[1]), dtype=meta.dtype).reshape(meta.shape)
+    return meta, embedding

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from benchmarks import bench_assign, bench_serve
+from benchmarks import bench_assign, bench_handoff, bench_serve
+from deployments.wire import safetensors_body
 from kimi_encoder.assign import makespan
 
 
@@ -28,3 +30,11 @@ def test_ours_carries_load_across_requests():
 )
 def test_knee(p95s, knee):
     assert bench_serve.knee([(i, 0, p, 0) for i, p in enumerate(p95s)]) == knee
+
+
+def test_handoff_counts_only_the_feature_tensors_of_a_body():
+    features = [np.zeros((3, 8), np.uint16), np.zeros((5, 8), np.uint16)]
+    tensors = {f"features.{i}": (a, "BF16") for i, a in enumerate(features)}
+    tensors["grid_thw.0"] = (np.zeros((1, 3), np.int64), "I64")
+    body = safetensors_body(tensors, {"model": "m"})
+    assert bench_handoff.feature_bytes(body) == (3 + 5) * 8 * 2

@@ -34,6 +34,7 @@ from kimi_encoder.engines.sglang import (
     embedding_frames,
     error_body,
     error_frames,
+    error_target,
     load_images,
 )
 from kimi_encoder.engines.transport import PushError, ZmqPusher, tcp_endpoint
@@ -119,6 +120,33 @@ def test_encode_request_missing_field_and_not_object():
         EncodeRequest.from_json(body)
     with pytest.raises(EncoderInputError, match="must be a JSON object, got"):
         EncodeRequest.from_json([body])
+
+
+def test_error_target_of_a_refused_body():
+    """A refused part still has an address for its error frame when its routing fields hold."""
+    target = error_target(encode_body(modality="VIDEO", embedding_port=40123, mm_items="x"))
+    assert (target.req_id, target.num_parts, target.part_idx) == ("9f2c_local_part_1", 2, 1)
+    assert (target.receive_address, target.mm_items) == ("10.0.0.1:40123", ())
+    (frame0,) = error_frames(target, MSG_IMAGE_ONLY, 400)
+    meta = _Unpickler(io.BytesIO(frame0)).load()
+    assert (meta.req_id, meta.error_msg, meta.error_code) == (target.req_id, MSG_IMAGE_ONLY, 400)
+    assert error_target(encode_body(hashes=[1])).receive_address is None  # zmq_to_scheduler
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        ["not", "an", "object"],
+        encode_body(req_id=None),
+        encode_body(num_parts=0),
+        encode_body(part_idx=2),
+        encode_body(embedding_port=5, prefill_host=None),
+        encode_body(embedding_port="5"),
+    ],
+    ids=["list", "req_id", "num_parts", "part_idx", "port-without-host", "port-type"],
+)
+def test_error_target_without_usable_routing_is_none(body):
+    assert error_target(body) is None
 
 
 def test_receive_url_request():

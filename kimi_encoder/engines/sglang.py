@@ -26,7 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -209,6 +209,39 @@ class ReceiveUrlRequest:
         )
 
 
+def error_target(body: Any) -> EncodeRequest | None:
+    """Where the error frame of a refused ``/encode`` body goes, or None if nowhere.
+
+    ``EncodeRequest.from_json`` refuses a whole body for one bad field (another
+    modality, an unknown key, a bad item); the prefill still waits for that part.
+    The result names the part (``req_id``, ``num_parts``, ``part_idx``) and its
+    receive address when those fields are valid, and has no items.
+    """
+    if not isinstance(body, dict):
+        return None
+    where = "/encode"
+    try:
+        req_id = _str(body, "req_id", where)
+        num_parts = _int(body, "num_parts", where, minimum=1)
+        part_idx = _int(body, "part_idx", where, minimum=0)
+        port = _int(body, "embedding_port", where, minimum=1, optional=True)
+        host = _str(body, "prefill_host", where, optional=True)
+    except EncoderInputError:
+        return None
+    if part_idx >= num_parts or (port is not None and host is None):
+        return None
+    modality = body.get("modality")
+    return EncodeRequest(
+        req_id=req_id,
+        modality=modality if isinstance(modality, str) else "IMAGE",
+        mm_items=(),
+        num_parts=num_parts,
+        part_idx=part_idx,
+        prefill_host=host,
+        embedding_port=port,
+    )
+
+
 def load_images(req: EncodeRequest, policy: FetchPolicy) -> list[bytes]:
     """The encoded images of one part, in item order; checks each content_hash.
 
@@ -347,11 +380,18 @@ class ReceiverRegistry:
         return entry
 
 
+class Receivers(Protocol):
+    """Where zmq_to_scheduler parts go: a ``ReceiverRegistry``, or a registry that
+    several processes share (a service with several HTTP front ends)."""
+
+    async def wait_for(self, req_id: str, timeout_s: float) -> list[str]: ...
+
+
 async def deliver(
     req: EncodeRequest,
     frames: Sequence[Frame],
     pusher: ZmqPusher,
-    registry: ReceiverRegistry,
+    registry: Receivers,
     *,
     wait_s: float,
 ) -> list[str]:

@@ -4,22 +4,138 @@ The test process is the engine's environment (``.venv-sglang`` or
 ``.venv-vllm``). Our side runs under ``KIMI_ENCODER_PYTHON``, the project's own
 interpreter (``make interop`` passes ``.venv/bin/python``); without it, under
 this interpreter. Tests that start the served application find the project's
-``serve`` beside that interpreter (``kimi_tool("serve")``).
+``serve`` beside that interpreter (``kimi_tool("serve")``); the service runs in
+the project's environment, where neither engine is installed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import requests
+import yaml
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCE = Path(__file__).with_name("produce.py")
+sys.path.insert(0, str(ROOT / "tests"))  # tests/images.py, the seeded image generator
+
+STARTUP_TIMEOUT_S = 300
+REQUEST_TIMEOUT_S = 30
+# The served applications: float32 with dp 2 behind two ingress replicas, and bfloat16.
+APPS = {
+    "f32": {"dp_size": 2, "ingress_replicas": 2, "dtype": "float32"},
+    "bf16": {"dp_size": 1, "dtype": "bfloat16"},
+}
+FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 1}
+
+
+@dataclass(frozen=True)
+class Service:
+    """``serve run`` of our applications: their URLs and encoder-cache roots by name."""
+
+    urls: dict[str, str]
+    ec_roots: dict[str, Path]
+    request_timeout_s: float  # every part is answered within it
+    log: Path
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _config(port: int, tmp: Path) -> dict:
+    apps = []
+    for name, fields in APPS.items():
+        (tmp / f"ec-{name}").mkdir()
+        args = {
+            "checkpoint": "tiny",
+            "device": "cpu",
+            "preprocess_backend": "cpu",
+            # Features compared bit for bit: no cache, owners by patch count.
+            "feature_cache_bytes": 0,
+            "cost_model": "patches",
+            "calibration_grids": [],
+            "request_timeout_s": REQUEST_TIMEOUT_S,
+            "handoff_wait_s": 20,
+            "ec_root": str(tmp / f"ec-{name}"),
+            "rank_options": {"max_ongoing_requests": 64, "max_queued_requests": 64} | FAST_SHUTDOWN,
+            "ingress_options": {"max_ongoing_requests": 32, "max_queued_requests": 64}
+            | FAST_SHUTDOWN,
+            **fields,
+        }
+        apps.append(
+            {
+                "name": name,
+                "route_prefix": f"/{name}",
+                "import_path": "deployments.app:build_app",
+                "args": args,
+            }
+        )
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": "127.0.0.1", "port": port, "request_timeout_s": 120},
+        "applications": apps,
+    }
+
+
+def _ready(url: str) -> bool:
+    try:
+        if requests.get(f"{url}/health", timeout=5).status_code != 200:
+            return False
+        ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    except (requests.RequestException, ValueError, KeyError):  # proxy or app not up yet
+        return False
+    return all(rank["state"] == "ready" for rank in ranks)
+
+
+@pytest.fixture(scope="session")
+def service(kimi_tool, tmp_path_factory) -> Service:
+    """Our service, started with the project's ``serve run`` in a Ray cluster of its own."""
+    serve_bin = kimi_tool("serve")
+    tmp = tmp_path_factory.mktemp("service")
+    port = _free_port()
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump(_config(port, tmp)))
+    log = tmp / "serve.log"
+    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(serve_bin), "run", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    urls = {name: f"http://127.0.0.1:{port}/{name}" for name in APPS}
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not all(_ready(url) for url in urls.values()):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"our service did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(1)
+        ec_roots = {name: tmp / f"ec-{name}" for name in APPS}
+        yield Service(urls, ec_roots, REQUEST_TIMEOUT_S, log)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 @pytest.fixture(scope="session")

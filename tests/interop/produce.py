@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/images.py
 
 from images import image_bytes  # noqa: E402
 
-from kimi_encoder.config import PreprocessConfig  # noqa: E402
+from kimi_encoder.config import PreprocessConfig, VisionConfig  # noqa: E402
 from kimi_encoder.engines.media import FetchPolicy  # noqa: E402
 from kimi_encoder.engines.sglang import (  # noqa: E402
     EncodeRequest,
@@ -51,7 +51,7 @@ def scenario(dtype: torch.dtype):
     """Images, their K3 grids and sizes, and seeded features with K3's token counts."""
     images = [image_bytes("RGB", size, seed=i) for i, size in enumerate(SIZES)]
     items = [plan_image(data, PreprocessConfig(), "cpu") for data in images]
-    tokens = [item.num_tokens(2) for item in items]
+    tokens = [VisionConfig().num_tokens(item.grid) for item in items]
     features = torch.randn(sum(tokens), HIDDEN, generator=torch.Generator().manual_seed(0))
     return images, items, tokens, features.to(dtype)
 

@@ -11,7 +11,6 @@ original size.
 from __future__ import annotations
 
 import asyncio
-import re
 import subprocess
 from array import array
 
@@ -19,7 +18,6 @@ import pytest
 import torch
 import zmq
 import zmq.asyncio
-from sglang.srt.configs.kimi_k3 import KimiK3Config
 from sglang.srt.disaggregation.encoder.receiver import (
     EmbeddingData,
     MMReceiverHTTP,
@@ -28,27 +26,19 @@ from sglang.srt.disaggregation.encoder.receiver import (
 )
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.schedule_batch import Modality
-from sglang.srt.multimodal.processors.base_processor import MultimodalSpecialTokens
-from sglang.srt.multimodal.processors.kimi_k3 import KimiK3ImageProcessor
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils.common import safe_pickle_loads
 from sglang.srt.utils.network import get_zmq_socket_on_host
+from sglang_side import check_processor_output, kimi_processor, prompt_ids, row_offsets
 
 DTYPES = ["float32", "bfloat16"]
 PARTS = [1, 2]
 
 
-def _offsets(tokens: list[int]) -> list[int]:
-    offsets = [0]
-    for count in tokens:
-        offsets.append(offsets[-1] + count)
-    return offsets
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_frames_load_as_sglangs_own(produce, dtype):
     spec, features = produce("frames", "--dtype", dtype, "--num-parts", "2")
-    offsets = _offsets(spec["tokens"])
+    offsets = row_offsets(spec["tokens"])
     for k, part in enumerate(spec["parts"]):
         items = part["items"]
         rows = features[offsets[items[0]] : offsets[items[-1] + 1]]
@@ -81,64 +71,11 @@ def test_frames_load_as_sglangs_own(produce, dtype):
         assert type(error) is EmbeddingData and vars(error) == vars(expected_error)
 
 
-class _Tokenizer:
-    """The checkpoint's tokenizer is not shipped: control tokens get fixed ids, text its bytes."""
-
-    SPECIAL = {"<|media_begin|>": 1, "<|media_content|>": 2, "<|media_end|>": 3}
-    PATTERN = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL) + ")")
-
-    def encode(self, text: str, allowed_special=None) -> list[int]:
-        ids = []
-        for piece in self.PATTERN.split(text):
-            ids += (
-                [self.SPECIAL[piece]]
-                if piece in self.SPECIAL
-                else [1000 + b for b in piece.encode()]
-            )
-        return ids
-
-
-def _processor() -> KimiK3ImageProcessor:
-    """sglang's real Kimi-K3 processor, built as its CPU tests build it (no checkpoint)."""
-    config = KimiK3Config()
-    processor = KimiK3ImageProcessor.__new__(KimiK3ImageProcessor)
-    processor.hf_config = config
-    processor._tokenizer = _Tokenizer()
-    processor.mm_tokens = MultimodalSpecialTokens(
-        image_token="<|media_pad|>", image_token_id=config.media_placeholder_token_id
-    )
-    processor.processor_fingerprint = "interop"
-    return processor
-
-
-def _prompt(pad: int, images: int) -> list[int]:
-    """What the chat template emits: text, then one pad per image."""
-    prompt = [10]
-    for i in range(images):
-        prompt += [pad, 11 + i]
-    return prompt
-
-
-def _check_processor_output(output, spec, features, pad: int) -> None:
-    tok = _Tokenizer()
-    expected_ids = [10]
-    for i, ((width, height), count) in enumerate(zip(spec["sizes"], spec["tokens"], strict=True)):
-        expected_ids += tok.encode(f"<|media_begin|>image {width}x{height}<|media_content|>")
-        expected_ids += [pad] * count + tok.encode("<|media_end|>") + [11 + i]
-    assert list(output.input_ids) == expected_ids
-    offsets = _offsets(spec["tokens"])
-    assert len(output.mm_items) == len(spec["tokens"])
-    for i, item in enumerate(output.mm_items):
-        (start, end), count = item.offsets[0], spec["tokens"][i]
-        assert end - start + 1 == count and output.input_ids[start : end + 1] == [pad] * count
-        assert torch.equal(item.precomputed_embeddings, features[offsets[i] : offsets[i + 1]])
-
-
 @pytest.mark.parametrize("parts", PARTS, ids=["1-part", "2-parts"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_tokenizer_receiver_assembles_parts(produce, parts, dtype):
     """zmq_to_tokenizer: one PULL port per request, every part pushed to it."""
-    processor, rid = _processor(), f"tok{parts}{dtype}"
+    processor, rid = kimi_processor(), f"tok{parts}{dtype}"
     pad = processor.mm_tokens.image_token_id
     receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)
     receiver.model_type = "kimi_k3"
@@ -152,7 +89,7 @@ def test_tokenizer_receiver_assembles_parts(produce, parts, dtype):
         )
         try:
             output = await asyncio.wait_for(
-                receiver._recv_mm_data(rid, sock, processor, _prompt(pad, 3)), 120
+                receiver._recv_mm_data(rid, sock, processor, prompt_ids(pad, 3)), 120
             )
         finally:
             _, stderr = await producer.communicate()
@@ -163,13 +100,13 @@ def test_tokenizer_receiver_assembles_parts(produce, parts, dtype):
     output = asyncio.run(main())
     assert output is not None, "sglang's receiver refused the frames (see its log above)"
     spec, features = produce.read()
-    _check_processor_output(output, spec, features, pad)
+    check_processor_output(output, spec, features, pad)
 
 
 @pytest.mark.parametrize("parts", PARTS, ids=["1-part", "2-parts"])
 def test_scheduler_receiver_assembles_parts(produce, parts):
     """zmq_to_scheduler: the rank's shared PULL port, registered for every part."""
-    processor, rid = _processor(), f"sched{parts}"
+    processor, rid = kimi_processor(), f"sched{parts}"
     pad = processor.mm_tokens.image_token_id
     context = zmq.Context()
     port, sock = get_zmq_socket_on_host(context, zmq.PULL, host="127.0.0.1")
@@ -178,7 +115,7 @@ def test_scheduler_receiver_assembles_parts(produce, parts):
     recv_req = TokenizedGenerateReqInput(
         rid=rid,
         input_text=None,
-        input_ids=array("q", _prompt(pad, 3)),
+        input_ids=array("q", prompt_ids(pad, 3)),
         input_embeds=None,
         mm_inputs=None,
         token_type_ids=None,
@@ -217,5 +154,5 @@ def test_scheduler_receiver_assembles_parts(produce, parts):
     assert producer.returncode == 0, stderr
     assert waiting.status == WaitingMMRequestStatus.SUCCESS, waiting.error_msg
     spec, features = produce.read()
-    _check_processor_output(recv_req.mm_inputs, spec, features, pad)
+    check_processor_output(recv_req.mm_inputs, spec, features, pad)
     assert list(recv_req.input_ids) == list(recv_req.mm_inputs.input_ids)

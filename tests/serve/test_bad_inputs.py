@@ -238,6 +238,8 @@ MATRIX = [
         ["Unsupported Kimi-K3 deferred preprocessing backend: npu"],
     ),
 ]
+
+
 def grid_item(grids: list) -> dict:
     """A pixel_values item with client-supplied ``grids`` (4 rows of zeros)."""
     return {**pixel_item(), "grid_thws": grids}

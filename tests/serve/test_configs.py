@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from ray.serve._private.build_app import build_app as build_deployments  # names of a built app
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import INGRESS_NAME, build_app, rank_name
+from deployments.app import INGRESS_NAME, REGISTRY_NAME, build_app, rank_name
 from deployments.args import AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -30,10 +30,15 @@ def load(name: str) -> tuple[dict, AppArgs, dict]:
 
 
 def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None:
-    """Every rank has rank_actor_options and rank_options, the ingress its own; the config
-    lists no per-deployment entry (nothing to override)."""
+    """Every rank has rank_actor_options and rank_options, the ingress its own, the
+    hand-off registry is one replica without CPUs; the config lists no per-deployment
+    entry (nothing to override)."""
     assert "deployments" not in app
-    assert set(built) == {INGRESS_NAME, *(rank_name(r) for r in range(args.dp_size))}
+    ranks = {rank_name(r) for r in range(args.dp_size)}
+    assert set(built) == {INGRESS_NAME, REGISTRY_NAME, *ranks}
+    registry = built.pop(REGISTRY_NAME)
+    assert registry.num_replicas == 1 and registry.ray_actor_options["num_cpus"] == 0
+    assert registry._deployment_config.max_ongoing_requests > args.handoff_max_pending
     for name, deployment in built.items():
         is_rank = name != INGRESS_NAME
         config = deployment._deployment_config
@@ -70,13 +75,26 @@ def test_cpu_config_fits_two_cores():
         ({"dtype": "int8"}, "dtype"),
         ({"num_ranks": 2}, "Extra inputs are not permitted"),
         ({"ingress_actor_options": {"num_gpus": 1}}, "ingress_actor_options.num_gpus must be 0"),
+        ({"ec_root": "ec"}, "ec_root must be an absolute directory, got 'ec'"),
+        ({"image_urls": {"max_bytes": 0}}, "image_urls.max_bytes"),
         ({"rank_options": {"max_ongoing_requests": 0}}, "max_ongoing_requests"),
         (
             {"rank_options": {"max_ongoing_requests": 1, "max_queued_requests": 0}},
             "max_queued_requests must be -1 .* or at least 1, got 0",
         ),
     ],
-    ids=["backend", "dp0", "cuda-no-gpu", "dtype", "extra", "ingress-gpu", "ongoing", "queue"],
+    ids=[
+        "backend",
+        "dp0",
+        "cuda-no-gpu",
+        "dtype",
+        "extra",
+        "ingress-gpu",
+        "ec-root",
+        "url-bytes",
+        "ongoing",
+        "queue",
+    ],
 )
 def test_bad_args_fail_validation(args, fragment):
     with pytest.raises(ValidationError, match=fragment):
@@ -89,6 +107,7 @@ def test_every_arg_is_documented():
         AppArgs,
         fields["rank_actor_options"].annotation,
         fields["rank_options"].annotation,
+        fields["image_urls"].annotation,
     ):
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"

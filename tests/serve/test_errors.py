@@ -2,8 +2,9 @@
 
 One app of its own: an API key, one rank whose forward the test can hold or fail
 (controlled.py), one call at a time at the rank and a queue of one, a short request
-timeout. Each case is produced by what a client or a fault really does, and must
-answer the row's status and error type in the JSON envelope.
+timeout, short hand-off waits and room for one part in the hand-off registry. Each
+case is produced by what a client or a fault really does, and must answer the row's
+status and error type in the JSON envelope.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import time
 import pytest
 import ray
 import requests
+import zmq
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from pydantic import ValidationError
 from ray import serve
-from serve_helpers import app_args, b64
+from serve_helpers import app_args, b64, free_port, read_part
 
 from deployments.admission import (
     BodyTimeoutError,
@@ -31,6 +33,8 @@ from deployments.app import bind_app
 from deployments.errors import ERRORS
 from deployments.fanout import NoRankAvailableError, RequestTimeoutError
 from deployments.security import UnauthorizedError
+from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull
+from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 pytestmark = pytest.mark.serve
@@ -55,6 +59,9 @@ def url(serve_url, board, tmp_path_factory):
         api_key_file=str(key_file),
         request_timeout_s=3,
         rank_cooldown_s=0.5,
+        handoff_wait_s=1,
+        handoff_send_timeout_s=1,
+        handoff_max_pending=1,
         feature_cache_bytes=0,
         calibration_grids=[],
         rank_options={"max_ongoing_requests": 1, "max_queued_requests": 1},
@@ -175,6 +182,54 @@ def failing_forward(url: str, board) -> requests.Response:
         ray.get(board.set.remote(0, "run"))
 
 
+def part(req_id: str, port: int | None = None) -> dict:
+    """An sglang /encode body of one image; ``port`` set: zmq_to_tokenizer."""
+    return {
+        "req_id": req_id,
+        "modality": "IMAGE",
+        "mm_items": [b64(IMAGE)],
+        "num_parts": 1,
+        "part_idx": 0,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": port,
+    }
+
+
+def register(url: str, req_id: str, address: str, count: int) -> requests.Response:
+    body = {"req_id": req_id, "receive_count": count, "receive_url": address, "modality": "IMAGE"}
+    return requests.post(f"{url}/scheduler_receive_url", headers=AUTH, json=body, timeout=60)
+
+
+def push_to_nobody(url: str, board) -> requests.Response:
+    """The part's receive port has nothing listening: the push gives up after
+    handoff_send_timeout_s."""
+    port = free_port()
+    return requests.post(f"{url}/encode", headers=AUTH, json=part("gone", port), timeout=60)
+
+
+def registry_full(url: str, board) -> requests.Response:
+    """handoff_max_pending=1: a part with one of its two ranks registered holds the only
+    entry, so another part's registration is refused; then the first part completes."""
+    ctx = zmq.Context()
+    try:
+        socks = [ctx.socket(zmq.PULL) for _ in range(2)]
+        addresses = [f"127.0.0.1:{s.bind_to_random_port('tcp://127.0.0.1')}" for s in socks]
+        assert register(url, "held", addresses[0], 2).status_code == 200
+        refused = register(url, "other", addresses[0], 1)
+        assert register(url, "held", addresses[1], 2).status_code == 200
+        done = requests.post(f"{url}/encode", headers=AUTH, json=part("held"), timeout=60)
+        assert done.status_code == 200, done.text
+        assert all(s.poll(30_000) for s in socks)
+        return refused
+    finally:
+        ctx.destroy(linger=0)
+
+
+def nobody_registers(url: str, board) -> requests.Response:
+    """A zmq_to_scheduler part whose ranks never say where they listen (handoff_wait_s=1)."""
+    return requests.post(f"{url}/encode", headers=AUTH, json=part("unheard"), timeout=60)
+
+
 CASES = {
     EncoderInputError: lambda url, board: post(
         url, json={"items": [{"type": "image", "image": "%%%"}]}
@@ -195,6 +250,9 @@ CASES = {
     ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
     NoRankAvailableError: past_the_queue,
     RequestTimeoutError: held_past_the_timeout,
+    PushError: push_to_nobody,
+    RegistryFull: registry_full,
+    ReceiveTimeout: nobody_registers,
     RuntimeError: failing_forward,  # no row: any other exception is an internal error
 }
 
@@ -214,6 +272,29 @@ def test_error_answers_its_row(settled, board, error):
         assert int(response.headers["Retry-After"]) >= 1
     if status == 401:
         assert response.headers["WWW-Authenticate"] == "Bearer"
+
+
+def test_held_part_is_answered_at_the_timeout_with_an_error_frame(settled, board):
+    """sglang /encode while the rank holds the forward: the part's error frame, then 504
+    with sglang's body, within request_timeout_s=3 (no time is asserted: it is answered)."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ray.get(board.set.remote(0, "hold"))
+    try:
+        body = part("held", port)
+        response = requests.post(f"{settled}/encode", headers=AUTH, json=body, timeout=60)
+        assert sock.poll(30_000), "no error frame was pushed"
+        frames = sock.recv_multipart()
+    finally:
+        ray.get(board.set.remote(0, "run"))
+        ctx.destroy(linger=0)
+    assert response.status_code == 504, response.text
+    body = response.json()
+    assert (body["status"], body["req_id"], body["error"]["type"]) == ("error", "held", "timeout")
+    assert "request_timeout_s=3" in body["message"]
+    meta, embedding = read_part(frames)
+    assert embedding is None and (meta.error_msg, meta.error_code) == (body["message"], 504)
 
 
 @pytest.mark.parametrize(

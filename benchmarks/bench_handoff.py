@@ -1,0 +1,298 @@
+"""Engine hand-off throughput: feature bytes delivered per second to a ZMQ PULL on loopback.
+
+    python -m benchmarks.bench_handoff [--quick]
+
+One run, three paths carrying the same feature bytes, side by side:
+
+1. hand-off: sglang ``POST /encode`` parts (zmq_to_tokenizer) whose frames the
+   ingress replica pushes to one PULL socket in this process;
+2. HTTP body: ``POST /v1/encode`` of the same images, answered as safetensors
+   through Serve's HTTP proxy;
+3. plain ZMQ: PUSH/PULL on loopback of messages of the parts' size, no server.
+
+Production width: a checkpoint with the tiny tower, Kimi-K3's ``text_hidden_size``
+7168 and K3's preprocessing, written here with the library and served in
+bfloat16 (K3's dtype), so compute is cheap and the bytes are real: 14 KiB per
+token, 1024 tokens (14.7 MB) per 896x896 image, sent as a JPEG of about 0.3 MB.
+The feature cache is on and warmed by a first pass, so both served paths move
+features rather than compute them. Closed loop, ``CLIENTS`` senders; MB/s counts
+feature bytes (frame 1; the safetensors ``features.*`` tensors) as they arrive.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import dataclasses
+import io
+import json
+import os
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import requests
+import zmq
+from PIL import Image
+
+from kimi_encoder.config import PreprocessConfig, get_preset
+from kimi_encoder.weights import write_checkpoint
+
+from .common import conditions, image, standalone
+
+WIDTH = 7168  # Kimi-K3's text_hidden_size
+SIDE = 896  # 64 x 64 patches, 1024 tokens
+IMAGES_PER_PART = 2
+PARTS = 4  # distinct parts, sent round robin (all cached after the warm-up)
+CLIENTS = 4
+HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ"]
+
+
+def write_wide_checkpoint(root: Path) -> Path:
+    """The tiny tower with a K3-width projector output and K3's preprocessing, seeded."""
+    vision = dataclasses.replace(get_preset("tiny").vision, text_hidden_size=WIDTH)
+    return write_checkpoint(root, vision, PreprocessConfig(), seed=0)
+
+
+def jpeg(side: int, seed: int) -> bytes:
+    """A seeded photo-like image as a JPEG (quality 90), as clients send photos."""
+    out = io.BytesIO()
+    Image.open(io.BytesIO(image(side, side, seed))).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+class Sink:
+    """A PULL socket on loopback that counts the last frame's bytes of each message."""
+
+    def __init__(self, context: zmq.Context):
+        self.sock = context.socket(zmq.PULL)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.messages = 0
+        self.bytes = 0
+        self.last = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._drain, daemon=True)
+        self._thread.start()
+
+    def _drain(self) -> None:
+        while not self._stop.is_set():
+            if self.sock.poll(50):
+                frames = self.sock.recv_multipart(copy=False)
+                self.bytes += len(frames[-1])
+                self.messages += 1
+                self.last = time.perf_counter()
+
+    def wait_for(self, messages: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.messages < messages:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.messages} of {messages} messages arrived")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close(linger=0)
+
+
+def closed_loop(send, jobs: list, clients: int, seconds: float) -> int:
+    """Calls ``send(job)`` back to back from ``clients`` threads for ``seconds``; how many."""
+    stop = time.perf_counter() + seconds
+    done = [0]
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        i = k
+        while time.perf_counter() < stop:
+            send(jobs[i % len(jobs)])
+            with lock:
+                done[0] += 1
+            i += clients
+
+    with cf.ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    return done[0]
+
+
+_local = threading.local()
+
+
+def _session() -> requests.Session:
+    if not hasattr(_local, "session"):
+        _local.session = requests.Session()
+    return _local.session
+
+
+def part_body(index: int, images: list[bytes], port: int) -> dict:
+    return {
+        "req_id": f"bench{index}_local_part_0",
+        "modality": "IMAGE",
+        "mm_items": ["data:image/jpeg;base64," + base64.b64encode(b).decode() for b in images],
+        "num_parts": 1,
+        "part_idx": 0,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": port,
+    }
+
+
+def feature_bytes(body: bytes) -> int:
+    """Bytes of the ``features.*`` tensors of a safetensors body."""
+    (length,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + length])
+    return sum(
+        end - start
+        for name, entry in header.items()
+        if name.startswith("features.")
+        for start, end in [entry["data_offsets"]]
+    )
+
+
+def handoff(url: str, sink: Sink, parts: list[list[bytes]], seconds: float) -> tuple[float, float]:
+    """(MB/s, parts/s) pushed to ``sink`` by the ingress."""
+    bodies = [part_body(i, images, sink.port) for i, images in enumerate(parts)]
+
+    def send(body: dict) -> None:
+        response = _session().post(f"{url}/encode", json=body, timeout=600)
+        response.raise_for_status()
+
+    messages, nbytes, start = sink.messages, sink.bytes, time.perf_counter()
+    sent = closed_loop(send, bodies, CLIENTS, seconds)
+    sink.wait_for(messages + sent)
+    elapsed = sink.last - start
+    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed
+
+
+def http_body(url: str, parts: list[list[bytes]], seconds: float) -> tuple[float, float]:
+    """(MB/s, parts/s) of feature bytes in /v1/encode safetensors answers."""
+    bodies = [
+        {
+            "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
+            "response_format": "safetensors",
+        }
+        for images in parts
+    ]
+    received = [0]
+    lock = threading.Lock()
+
+    def send(body: dict) -> None:
+        response = _session().post(f"{url}/v1/encode", json=body, timeout=600)
+        response.raise_for_status()
+        with lock:
+            received[0] += feature_bytes(response.content)
+
+    start = time.perf_counter()
+    sent = closed_loop(send, bodies, CLIENTS, seconds)
+    elapsed = time.perf_counter() - start
+    return received[0] / elapsed / 1e6, sent / elapsed
+
+
+def plain_zmq(context: zmq.Context, sink: Sink, size: int, seconds: float) -> tuple[float, float]:
+    """(MB/s, messages/s) of two-frame messages of ``size`` bytes, one PUSH to ``sink``."""
+    push = context.socket(zmq.PUSH)
+    push.connect(f"tcp://127.0.0.1:{sink.port}")
+    payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
+    messages, nbytes = sink.messages, sink.bytes
+    sent, start = 0, time.perf_counter()
+    stop = start + seconds
+    while time.perf_counter() < stop:
+        push.send_multipart([b"meta", memoryview(payload)], copy=False)
+        sent += 1
+    sink.wait_for(messages + sent)
+    elapsed = sink.last - start
+    push.close(linger=0)
+    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed
+
+
+def warm_up(url: str, sink: Sink, parts: list[list[bytes]]) -> None:
+    """Every part once on both paths: the ranks' caches hold all images afterwards."""
+    messages = sink.messages
+    for i, images in enumerate(parts):
+        body = part_body(i, images, sink.port)
+        _session().post(f"{url}/encode", json=body, timeout=600).raise_for_status()
+        items = [{"type": "image", "image": item.split(",", 1)[1]} for item in body["mm_items"]]
+        _session().post(f"{url}/v1/encode", json={"items": items}, timeout=600).raise_for_status()
+    sink.wait_for(messages + len(parts))
+
+
+def deploy(serve, base: str, checkpoint: Path) -> str:
+    from deployments.app import bind_app
+    from deployments.args import AppArgs
+
+    args = AppArgs(
+        checkpoint=str(checkpoint),
+        dp_size=2,
+        device="cpu",
+        dtype="bfloat16",
+        preprocess_backend="cpu",
+        cost_model="patches",
+        calibration_grids=[],
+        request_timeout_s=600,
+        handoff_wait_s=60,
+        feature_cache_bytes=1 << 30,  # every image of every part stays cached
+    )
+    serve.run(bind_app(args), name="handoff", route_prefix="/handoff")
+    return f"{base}/handoff"
+
+
+def run(quick: bool) -> tuple[str, list[list]]:
+    import ray
+    from ray import serve
+
+    from .bench_serve import free_port
+
+    window = 4.0 if quick else 15.0
+    parts = [[jpeg(SIDE, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(PARTS)]
+    load_before = os.getloadavg()
+    context = zmq.Context()
+    sink = Sink(context)
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = write_wide_checkpoint(Path(tmp) / "wide")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        try:
+            url = deploy(serve, f"http://127.0.0.1:{port}", checkpoint)
+            warm_up(url, sink, parts)
+            ours, ours_rate = handoff(url, sink, parts, window)
+            http, http_rate = http_body(url, parts, window)
+            part_size = sink.bytes // max(sink.messages, 1)
+            plain, plain_rate = plain_zmq(context, sink, part_size, window)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            sink.close()
+            context.term()
+    load_after = os.getloadavg()
+    mix = (
+        f"{IMAGES_PER_PART} JPEG images of {SIDE}x{SIDE} px per part ({part_size / 1e6:.1f} MB of "
+        f"bfloat16 features, width {WIDTH}), {PARTS} parts round robin, {CLIENTS} clients"
+    )
+    preset = "tiny tower, text_hidden_size 7168, K3 preprocessing, bfloat16"
+    note = conditions(preset, mix, "2", quick)
+    note += (
+        f"; {window:g} s per path; load average (1/5/15 min) {_load(load_before)} before, "
+        f"{_load(load_after)} after. Hand-off / HTTP body: {ours / http:.2f}x."
+    )
+    measured = [
+        ("hand-off: /encode, pushed over ZMQ", ours, ours_rate),
+        ("HTTP body: /v1/encode safetensors", http, http_rate),
+        ("plain ZMQ PUSH/PULL, same sizes", plain, plain_rate),
+    ]
+    rows = [[path, f"{mb:.0f}", f"{rate:.1f}", f"{mb / plain:.2f}"] for path, mb, rate in measured]
+    return note, rows
+
+
+def _load(values: tuple[float, float, float]) -> str:
+    return "/".join(f"{v:.2f}" for v in values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone(__doc__, run, HEADER, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,368 @@
+"""The engine hand-off at the ingress: sglang's encode/prefill split and vLLM's encoder cache.
+
+sglang 0.5.23 (``kimi_encoder.engines.sglang``, docs/epd.md), three routes:
+
+- ``POST /encode``: one part of a prefill request's images. They go through the
+  same admission, owner assignment, rank encode and ordered gather as
+  ``/v1/encode``, in the model's dtype; this ingress replica then pushes the
+  part's two frames over ZMQ to every address the part names, and answers only
+  once they are sent. Features never pass through Serve's HTTP proxy.
+- ``POST /scheduler_receive_url``: a scheduler rank's address for one part
+  (zmq_to_scheduler). A part's registrations and its ``/encode`` may reach
+  different ingress replicas, so the addresses are kept by one
+  ``HandoffRegistry`` replica that every ingress replica calls. The part asks it
+  for them as soon as it arrives, so that wait runs alongside the encode.
+- ``GET /health``: 200 while a rank answers.
+
+A part is answered within ``request_timeout_s``. A failure (an input refused, a
+rank error, no receive address in time, a receiver gone) is pushed as the
+part's error frame, best effort in the time kept for it, and answered with its
+status and sglang's ``{"status": "error", "message", "req_id"}`` body.
+
+vLLM 0.33.0 (``kimi_encoder.engines.vllm``): a ``/v1/encode`` request with
+output kind ``vllm_ec`` has each item's features written as an encoder-cache
+file under ``ec_root`` (atomically) before it is answered with their metadata.
+
+Copies of the features on the ingress: frame 1 of a part is one buffer, the
+ranks' row slices concatenated in item order (ZMQ sends from it; frame 0 is a
+small pickle); an encoder-cache entry is one copy of its item's rows (the
+ranks' arrays are read-only views of the object store), which ``safetensors``
+writes to the file.
+
+Ray-free, like fanout.py: the registry is a ``RegistryClient``
+(``handles.RegistryHandle`` in the service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from kimi_encoder.engines.sglang import (
+    SGLANG_VERSION,
+    EncodeRequest,
+    ReceiverRegistry,
+    ReceiveUrlRequest,
+    deliver,
+    embedding_frames,
+    error_frames,
+    error_target,
+    load_images,
+)
+from kimi_encoder.engines.transport import Frame, ZmqPusher
+from kimi_encoder.engines.vllm import VLLM_VERSION, EcCacheEntry, write_ec_cache
+from kimi_encoder.features import from_numpy
+from kimi_encoder.items import EncoderInputError, EncoderItem
+
+from . import errors
+from .admission import Admission, Admitted, read_body
+from .args import AppArgs
+from .fanout import Call, FanOut, Gathered, NoRankAvailableError, RequestTimeoutError
+from .metrics import RequestTrace
+from .schemas import EcEntry, EcWriteResponse, Usage
+from .security import ApiKey
+
+log = logging.getLogger("ray.serve")
+
+HEALTH_TIMEOUT_S = 1.0  # sglang's bootstrap server probes /health with a 2 s timeout
+# Kept out of request_timeout_s for pushing a failed part's error frame (at most 1/10).
+ERROR_GRACE_S = 1.0
+INFO_TIMEOUT_S = 10.0
+REGISTRATION_BYTES = 64 << 10  # a /scheduler_receive_url body is a few short fields
+
+
+class RegistryClient(Protocol):
+    """What the hand-off needs of the ``HandoffRegistry``."""
+
+    def register(self, req: ReceiveUrlRequest) -> Call: ...
+
+    def wait_for(self, req_id: str, timeout_s: float) -> Call: ...
+
+    def info(self) -> Call: ...
+
+
+class HandoffRegistry:
+    """The receive addresses of zmq_to_scheduler parts, for every ingress replica.
+
+    One replica (``build_app``); every method runs on its event loop, as
+    ``ReceiverRegistry`` requires.
+    """
+
+    def __init__(self, args: AppArgs):
+        self.registry = ReceiverRegistry(
+            ttl_s=args.handoff_address_ttl_s, max_entries=args.handoff_max_pending
+        )
+
+    async def register(self, req: ReceiveUrlRequest) -> None:
+        self.registry.register(req)
+
+    async def wait_for(self, req_id: str, timeout_s: float) -> list[str]:
+        return await self.registry.wait_for(req_id, timeout_s)
+
+    async def info(self) -> dict[str, int]:
+        return {"parts_pending": len(self.registry)}
+
+
+class Handoff:
+    """The hand-off routes of one ingress replica (one ZMQ pusher, on its event loop)."""
+
+    def __init__(
+        self,
+        args: AppArgs,
+        admission: Admission,
+        fanout: FanOut,
+        registry: RegistryClient,
+        api_key: ApiKey,
+    ):
+        self.args = args
+        self.admission = admission
+        self.fanout = fanout
+        self.registry = registry
+        self.api_key = api_key
+        self.policy = args.image_urls.policy()
+        self.ec_root = check_ec_root(args.ec_root)
+        self._pusher: ZmqPusher | None = None
+
+    @property
+    def pusher(self) -> ZmqPusher:
+        # Made at first use: a pusher belongs to the event loop it first sends from.
+        if self._pusher is None:
+            self._pusher = ZmqPusher(send_timeout_s=self.args.handoff_send_timeout_s)
+        return self._pusher
+
+    async def info(self) -> dict[str, Any]:
+        """Pinned protocol versions, what is configured, and the registry's parts pending
+        (entries waiting for or holding receive addresses, over all ingress replicas)."""
+        call = self.registry.info()
+        try:
+            registry = await asyncio.wait_for(_await(call), INFO_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - a sick registry is reported, not raised
+            call.cancel()
+            registry = {"state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "sglang": SGLANG_VERSION,
+            "vllm": VLLM_VERSION,
+            "dtype": self.args.rank_dtype,
+            "vllm_ec": self.ec_root is not None,
+            "image_urls": self.policy.allow_http,
+            "registry": registry,
+        }
+
+    async def encode(self, request: Request, trace: RequestTrace) -> None:
+        """``POST /encode``: encode one part and push its frames; returns once they are sent.
+
+        Raises ``errors.PartFailedError`` (after pushing the error frame) on any failure.
+        """
+        timeout_s = self.args.request_timeout_s
+        deadline = time.monotonic() + timeout_s
+        work_until = deadline - min(ERROR_GRACE_S, timeout_s / 10)
+        try:
+            self.api_key.check(request)
+            body = _json(await read_body(request.stream(), self.args.max_request_bytes), "/encode")
+        except Exception as exc:  # noqa: BLE001 - answered as the part's failure
+            raise errors.PartFailedError(None, exc) from exc
+        try:
+            req = EncodeRequest.from_json(body)
+        except EncoderInputError as exc:
+            raise await self._failed(error_target(body), exc, deadline) from exc
+        receivers = self._receivers(req, work_until)
+        try:
+            frames = await _within(self._frames(req, trace), work_until, timeout_s)
+            sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
+            await _within(sending, work_until, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - answered as the part's failure
+            raise await self._failed(req, exc, deadline, receivers) from exc
+        finally:
+            receivers.close()
+
+    async def register(self, request: Request) -> None:
+        """``POST /scheduler_receive_url``: one scheduler rank's address for one part."""
+        self.api_key.check(request)
+        body = await read_body(request.stream(), REGISTRATION_BYTES)
+        req = ReceiveUrlRequest.from_json(_json(body, "/scheduler_receive_url"))
+        await self.registry.register(req)
+
+    async def check_health(self) -> None:
+        """``GET /health``: returns while a rank answers its load report within
+        ``HEALTH_TIMEOUT_S``; raises ``NoRankAvailableError`` (503) otherwise."""
+        down = self.fanout.health.down()
+        calls = [rank.load() for r, rank in enumerate(self.fanout.ranks) if r not in down]
+        tasks = [asyncio.ensure_future(_await(call)) for call in calls]
+        try:
+            for arrival in asyncio.as_completed(tasks, timeout=HEALTH_TIMEOUT_S):
+                try:
+                    await arrival
+                    return
+                except Exception:  # noqa: BLE001 - that rank is down: ask the others
+                    continue
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            for task, call in zip(tasks, calls, strict=True):
+                if not task.done():
+                    task.cancel()
+                    call.cancel()
+        raise NoRankAvailableError(self.fanout.health.retry_after_s())
+
+    async def write_ec(self, model: str, admitted: Admitted, gathered: Gathered) -> JSONResponse:
+        """Output kind ``vllm_ec``: every item's features as an encoder-cache entry under
+        ``ec_root``, all written (renamed into place and synced) before the answer."""
+        assert admitted.output is not None and self.ec_root is not None, admitted.output
+        uuids = admitted.output.uuids
+        entries = await asyncio.to_thread(self._write_entries, uuids, gathered)
+        items = [
+            EcEntry(
+                index=i,
+                uuid=entry.uuid,
+                path=str(entry.path.relative_to(self.ec_root)),
+                grid_thw=list(item.grid),
+                num_tokens=entry.num_tokens,
+                owner_rank=owner,
+                shape=[entry.num_tokens, entry.hidden],
+                dtype=entry.dtype,
+                bytes=entry.nbytes,
+            )
+            for i, (entry, item, owner) in enumerate(
+                zip(entries, admitted.items, gathered.owners, strict=True)
+            )
+        ]
+        tokens = sum(entry.num_tokens for entry in entries)
+        usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
+        return JSONResponse(EcWriteResponse(model=model, items=items, usage=usage).model_dump())
+
+    def _write_entries(self, uuids: Sequence[str], gathered: Gathered) -> list[EcCacheEntry]:
+        assert self.ec_root is not None
+        return [
+            write_ec_cache(self.ec_root, uuid, from_numpy(array, gathered.dtype))
+            for uuid, array in zip(uuids, gathered.features, strict=True)
+        ]
+
+    async def _frames(self, req: EncodeRequest, trace: RequestTrace) -> list[Frame]:
+        images = await asyncio.to_thread(load_images, req, self.policy)
+        admitted = self.admission.admit_files(images, None, self.args.rank_dtype)
+        trace.admitted(admitted.items)
+        gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
+        trace.gathered(gathered)
+        return part_frames(req, admitted.items, gathered)
+
+    def _receivers(self, req: EncodeRequest, until: float) -> _PartReceivers:
+        if req.receive_address is not None:  # zmq_to_tokenizer: the part names its address
+            return _PartReceivers(None)
+        wait_s = min(self.args.handoff_wait_s, until - time.monotonic())
+        return _PartReceivers(self.registry.wait_for(req.req_id, max(wait_s, 0.0)))
+
+    async def _failed(
+        self,
+        req: EncodeRequest | None,
+        exc: BaseException,
+        deadline: float,
+        receivers: _PartReceivers | None = None,
+    ) -> errors.PartFailedError:
+        """Push ``exc`` as ``req``'s error frame (best effort, until ``deadline``); the
+        exception that answers the request."""
+        if req is None:
+            return errors.PartFailedError(None, exc)
+        status, _ = errors.classify(exc)
+        frames = error_frames(req, errors.message_of(exc), status)
+        own = receivers is None
+        receivers = self._receivers(req, deadline) if own else receivers
+        try:
+            sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
+            await _within(sending, deadline, self.args.request_timeout_s)
+        except Exception as push_error:  # noqa: BLE001 - the HTTP answer still reports it
+            log.warning(
+                "part %s failed (%s) and its error frame was not delivered: %s",
+                req.req_id,
+                type(exc).__name__,
+                push_error,
+            )
+        finally:
+            if own:
+                receivers.close()
+        return errors.PartFailedError(req.req_id, exc)
+
+
+def part_frames(
+    req: EncodeRequest, items: Sequence[EncoderItem], gathered: Gathered
+) -> list[Frame]:
+    """The part's two frames. Frame 1 is the ingress's one copy of the payload: the
+    ranks' row slices concatenated into one buffer, in item order."""
+    payload = np.concatenate(gathered.features)  # (tokens, hidden), writable
+    grids = torch.tensor([item.grid for item in items], dtype=torch.int64)
+    sizes = [item.original_size for item in items]
+    assert all(size is not None for size in sizes), "encoded files have an original size"
+    return embedding_frames(req, from_numpy(payload, gathered.dtype), grids, sizes)
+
+
+class _PartReceivers:
+    """A zmq_to_scheduler part's receive addresses (``deliver``'s registry): the
+    registry wait sent when the part arrived. None for zmq_to_tokenizer parts."""
+
+    def __init__(self, call: Call | None):
+        self.call = call
+        self.task = None if call is None else asyncio.ensure_future(_await(call))
+
+    async def wait_for(self, req_id: str, timeout_s: float) -> list[str]:
+        # The registry applies the wait's timeout; shielded so that a send that gives
+        # up does not cancel the wait an error frame may still need.
+        assert self.task is not None, f"{req_id}: a zmq_to_tokenizer part has no registry wait"
+        return await asyncio.shield(self.task)
+
+    def close(self) -> None:
+        if self.task is not None and not self.task.done():
+            self.task.cancel()
+            self.call.cancel()
+
+
+async def _await(call: Awaitable[Any]) -> Any:
+    return await call
+
+
+async def _within(awaitable: Awaitable[Any], until: float, timeout_s: float) -> Any:
+    """``awaitable``'s result, or ``RequestTimeoutError`` at ``until`` (``time.monotonic()``);
+    its own exceptions (a ``TimeoutError`` too) pass through unchanged."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=max(0.0, until - time.monotonic()))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise RequestTimeoutError(timeout_s)
+    return task.result()
+
+
+def _json(body: bytes, where: str) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise EncoderInputError(
+            f"{where} body is not JSON ({exc}); send the JSON object sglang {SGLANG_VERSION} sends."
+        ) from None
+
+
+def check_ec_root(value: str | None) -> Path | None:
+    """``ec_root`` as a directory this process can write, checked at start-up."""
+    if value is None:
+        return None
+    root = Path(value)
+    if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"ec_root {value!r} is not a writable directory on this ingress's node; create "
+            "it (the vLLM consumer's shared_storage_path, on storage both can reach) or unset "
+            "ec_root."
+        )
+    return root

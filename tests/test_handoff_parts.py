@@ -1,0 +1,99 @@
+"""The hand-off's Ray-free pieces: admission of the vllm_ec output, a part's frames from
+gathered row slices, the checked ec_root. Over HTTP: tests/serve/test_handoff.py."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+import torch
+from images import image_bytes
+
+from deployments.admission import Admission, OutputNotConfiguredError
+from deployments.args import AppArgs
+from deployments.fanout import Gathered
+from deployments.handoff import check_ec_root, part_frames
+from deployments.schemas import EncodeRequest as V1Request
+from kimi_encoder.config import get_preset
+from kimi_encoder.engines.sglang import EncodeRequest
+from kimi_encoder.features import to_numpy
+from kimi_encoder.items import EncoderInputError
+
+PRESET = get_preset("tiny")
+IMAGES = [image_bytes("RGB", (64, 48), 1), image_bytes("RGBA", (40, 40), 2)]
+
+
+def admission(**args) -> Admission:
+    return Admission(PRESET.vision, PRESET.preprocess, AppArgs(**args))
+
+
+def ec_request(uuids, images=IMAGES, **fields) -> V1Request:
+    items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in images]
+    output = {"kind": "vllm_ec", "uuids": uuids}
+    return V1Request.model_validate({"items": items, "output": output, **fields})
+
+
+def test_vllm_ec_output_is_admitted_in_the_model_dtype(tmp_path):
+    gate = admission(ec_root=str(tmp_path), dtype="bfloat16", feature_dtype="float32")
+    admitted = gate.admit_json(ec_request(["a", "b"]))
+    assert admitted.output.uuids == ["a", "b"] and admitted.feature_dtype == "bfloat16"
+    plain = gate.admit_json(V1Request.model_validate({"items": ec_request(["a"]).items}))
+    assert plain.output is None and plain.feature_dtype == "float32"
+
+
+@pytest.mark.parametrize(
+    ("uuids", "fields", "match"),
+    [
+        (["a"], {}, r"output.uuids has 1 entries for 2 images \(after splitting"),
+        (["a", "../b"], {}, r"output.uuids\[1\]: uuid '../b' cannot name a cache directory"),
+        (["a", "."], {}, r"output.uuids\[1\]: uuid '.' cannot name"),
+        (["a", "a"], {}, r"output.uuids\[1\] 'a' repeats output.uuids\[0\]"),
+        (["a", "b"], {"response_format": "safetensors"}, "answers JSON metadata"),
+        (["a", "b"], {"feature_dtype": "float16"}, r"stores the model's dtype \(float32\)"),
+    ],
+    ids=["count", "separator", "dot", "repeat", "format", "dtype"],
+)
+def test_vllm_ec_output_errors(tmp_path, uuids, fields, match):
+    with pytest.raises(EncoderInputError, match=match):
+        admission(ec_root=str(tmp_path)).admit_json(ec_request(uuids, **fields))
+
+
+def test_vllm_ec_output_needs_ec_root():
+    with pytest.raises(OutputNotConfiguredError, match="set args.ec_root to the vLLM consumer"):
+        admission().admit_json(ec_request(["a", "b"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
+    """Two ranks' arrays, the part's items interleaved over them: frame 1 is the rows in
+    item order, in one new buffer (frame 0 is checked in test_engines_sglang.py)."""
+    gate = admission()
+    items = gate.admit_files(IMAGES + IMAGES[:1], None).items  # tokens 6, 4, 6
+    rank0 = torch.randn(12, 80).to(getattr(torch, dtype))  # items 0 and 2
+    rank1 = torch.randn(4, 80).to(getattr(torch, dtype))  # item 1
+    arrays = [to_numpy(rank0), to_numpy(rank1)]
+    for array in arrays:
+        array.flags.writeable = False  # as they come out of the object store
+    features = [arrays[0][:6], arrays[1], arrays[0][6:]]
+    gathered = Gathered(features, [0, 1, 0], dtype)
+    body = {
+        "req_id": "r_local_part_0",
+        "modality": "IMAGE",
+        "mm_items": ["x"] * 3,
+        "num_parts": 1,
+        "part_idx": 0,
+    }
+    _, frame1 = part_frames(EncodeRequest.from_json(body), items, gathered)
+    want = torch.cat([rank0[:6], rank1, rank0[6:]])
+    got = torch.frombuffer(bytearray(frame1), dtype=want.dtype).reshape(want.shape)
+    assert torch.equal(got, want)
+    buffer = np.frombuffer(frame1, np.uint8)
+    assert not any(np.shares_memory(buffer, array) for array in arrays)
+
+
+def test_ec_root_must_be_a_writable_directory(tmp_path):
+    assert check_ec_root(str(tmp_path)) == tmp_path
+    assert check_ec_root(None) is None
+    with pytest.raises(ValueError, match="is not a writable directory on this ingress's node"):
+        check_ec_root(str(tmp_path / "missing"))
