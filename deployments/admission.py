@@ -264,7 +264,8 @@ class Admission:
         )
 
     def _split(self, entry: ImageItem, index: int) -> list[EncoderItem]:
-        assert entry.pixel_values is not None and entry.grid_thws is not None
+        assert entry.pixel_values is not None
+        assert entry.grid_thws is not None
         pixels = _decode_pixel_values(entry, self.vision.patch_size, index)
         grids = check_grid_rows(entry.grid_thws, self.vision.merge_kernel_size, index)
         split = split_pixel_values(pixels, grids, index)

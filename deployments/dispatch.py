@@ -122,7 +122,7 @@ class Dispatcher:
             call = ranks[rank].load()
             try:
                 report = await asyncio.wait_for(call, REPORT_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - no report: the rank is silent
+            except Exception as exc:  # no report: the rank is silent
                 call.cancel()
                 self._reports[rank] = None
                 self._reported_at[rank] = time.monotonic()

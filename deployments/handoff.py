@@ -147,7 +147,7 @@ class Handoff:
         call = self.registry.info()
         try:
             registry = await asyncio.wait_for(_await(call), INFO_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a sick registry is reported, not raised
+        except Exception as exc:  # a sick registry is reported, not raised
             call.cancel()
             registry = {"state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
         return {
@@ -170,7 +170,7 @@ class Handoff:
         try:
             self.api_key.check(request)
             body = _json(await read_body(request.stream(), self.args.max_request_bytes), "/encode")
-        except Exception as exc:  # noqa: BLE001 - answered as the part's failure
+        except Exception as exc:  # answered as the part's failure
             raise errors.PartFailedError(None, exc) from exc
         try:
             req = EncodeRequest.from_json(body)
@@ -181,7 +181,7 @@ class Handoff:
             frames = await _within(self._frames(req, trace), work_until, timeout_s)
             sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
             await _within(sending, work_until, timeout_s)
-        except Exception as exc:  # noqa: BLE001 - answered as the part's failure
+        except Exception as exc:  # answered as the part's failure
             raise await self._failed(req, exc, deadline, receivers) from exc
         finally:
             receivers.close()
@@ -204,7 +204,7 @@ class Handoff:
                 try:
                     await arrival
                     return
-                except Exception:  # noqa: BLE001 - that rank is down: ask the others
+                except Exception:  # that rank is down: ask the others
                     continue
         except asyncio.TimeoutError:
             pass
@@ -280,7 +280,7 @@ class Handoff:
         try:
             sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
             await _within(sending, deadline, self.args.request_timeout_s)
-        except Exception as push_error:  # noqa: BLE001 - the HTTP answer still reports it
+        except Exception as push_error:  # the HTTP answer still reports it
             log.warning(
                 "part %s failed (%s) and its error frame was not delivered: %s",
                 req.req_id,

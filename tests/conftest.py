@@ -14,9 +14,9 @@ import pytest
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))  # tests/images.py, serve_helpers.py, controlled.py
 
-from images import image_bytes  # noqa: E402
+from images import image_bytes
 
-from kimi_encoder.encoder import VisionEncoder  # noqa: E402
+from kimi_encoder.encoder import VisionEncoder
 
 # Ray, Serve and the deployments are imported by the fixtures that start them: the CUDA
 # tests run on machines without Ray.

@@ -6,7 +6,7 @@ from kimi_encoder.assign import assign_owners, group_by_owner
 
 
 @pytest.mark.parametrize(
-    "costs, ranks, loads, owners",
+    ("costs", "ranks", "loads", "owners"),
     [
         ([], 3, None, []),
         ([8, 5, 3], 2, None, [0, 1, 1]),

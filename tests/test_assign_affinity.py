@@ -8,7 +8,7 @@ from kimi_encoder.assign import assign_owners, makespan, makespan_lower_bound
 
 
 @pytest.mark.parametrize(
-    "costs, ranks, loads, holders, tolerance, owners",
+    ("costs", "ranks", "loads", "holders", "tolerance", "owners"),
     [
         ([5, 5], 2, None, [None, None], 0.0, [0, 1]),  # no holder: the base rule
         ([5, 5], 2, None, [1, 1], 0.0, [1, 1]),  # both cached on rank 1: hits add nothing

@@ -106,12 +106,15 @@ def test_calls_queued_together_share_one_forward_and_match_unbatched(encoder, im
     calls.append([encoder.plan(images[3])])
     coros = [b.encode(items, f"c{i}") for i, items in enumerate(calls)]
     _, outputs = asyncio.run(behind_a_held_forward(b, encoder, [encoder.plan(images[4])], coros))
-    assert b.counters.batches == 2 and b.counters.max_batch_calls == 3
-    assert b.counters.max_batch_images == 4 and b.counters.forwarded == 5
+    assert b.counters.batches == 2
+    assert b.counters.max_batch_calls == 3
+    assert b.counters.max_batch_images == 4
+    assert b.counters.forwarded == 5
     for items, (results, stages) in zip(calls, outputs, strict=True):
         assert set(stages) == {"queue_wait", "preprocess", "forward"}
         for got, want in zip(results, one_at_a_time(encoder, items), strict=True):
-            assert got.dtype == torch.float32 and got.is_contiguous()
+            assert got.dtype == torch.float32
+            assert got.is_contiguous()
             np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=1e-5)
 
 
@@ -131,13 +134,16 @@ def test_next_batch_decodes_while_a_forward_runs(encoder, images):
             await asyncio.sleep(0)
         for done in encoder.prepared[start:]:  # decoded while batch 1 is held in its forward
             assert await asyncio.to_thread(done.wait, BOUND_S)
-        assert not first.done() and encoder.forwards == forwards + 1
+        assert not first.done()
+        assert encoder.forwards == forwards + 1
         encoder.hold.clear()
         encoder.release.set()
         return await first, await second
 
     (one, _), (three, _) = asyncio.run(run())
-    assert len(one) == 1 and len(three) == 3 and b.counters.batches == 2
+    assert len(one) == 1
+    assert len(three) == 3
+    assert b.counters.batches == 2
 
 
 def test_patch_budget_splits_batches(encoder, images):
@@ -151,7 +157,9 @@ def test_patch_budget_splits_batches(encoder, images):
         if used + item.num_patches > largest:
             groups, used = groups + 1, 0
         used += item.num_patches
-    assert groups >= 2 and b.counters.forwarded == 5 and b.counters.batches == 1 + groups
+    assert groups >= 2
+    assert b.counters.forwarded == 5
+    assert b.counters.batches == 1 + groups
 
 
 def test_cache_hit_skips_preprocessing_and_forward(encoder, images):
@@ -169,7 +177,8 @@ def test_transposed_image_and_background_change_miss(encoder, images):
     raw = np.random.default_rng(0).integers(0, 256, 30 * 150, dtype=np.uint8).tobytes()
     tall, wide = (encoder.plan(gray_png(raw, size)) for size in ((30, 150), (150, 30)))
     (f_tall, f_wide), _ = asyncio.run(b.encode([tall, wide], "c"))
-    assert b.counters.cache_hits == 0 and b.counters.forwarded == 2
+    assert b.counters.cache_hits == 0
+    assert b.counters.forwarded == 2
     assert f_tall.shape != f_wide.shape or not torch.equal(f_tall, f_wide)
 
     rgba = encoder.plan(images[1])  # RGBA: the background shows
@@ -179,9 +188,11 @@ def test_transposed_image_and_background_change_miss(encoder, images):
         deferred=dataclasses.replace(rgba.deferred, transparent_bg_config={"pattern": "white"}),
     )
     (f_white,), _ = asyncio.run(b.encode([white], "c"))
-    assert b.counters.cache_hits == 0 and b.counters.forwarded == 4
+    assert b.counters.cache_hits == 0
+    assert b.counters.forwarded == 4
     (f_again,), _ = asyncio.run(b.encode([encoder.plan(images[1])], "c"))
-    assert b.counters.cache_hits == 1 and not torch.equal(f_again, f_white)
+    assert b.counters.cache_hits == 1
+    assert not torch.equal(f_again, f_white)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -192,10 +203,12 @@ def test_feature_dtype_is_the_float32_features_rounded(encoder, images, dtype):
     item = encoder.plan(images[2])
     (full,), _ = asyncio.run(b.encode([item], "c"))
     (low,), _ = asyncio.run(b.encode([encoder.plan(images[2])], "c", dtype))
-    assert low.dtype == getattr(torch, dtype) and b.counters.cache_hits == 0
+    assert low.dtype == getattr(torch, dtype)
+    assert b.counters.cache_hits == 0
     assert torch.equal(low, full.to(low.dtype))
     (again,), _ = asyncio.run(b.encode([encoder.plan(images[2])], "c", dtype))
-    assert again is low and b.counters.cache_hits == 1
+    assert again is low
+    assert b.counters.cache_hits == 1
     with pytest.raises(ValueError, match="feature dtype 'int8' is not supported"):
         asyncio.run(b.encode([item], "c", "int8"))
 
@@ -204,7 +217,8 @@ def test_duplicates_in_flight_are_encoded_once(encoder, images):
     b = batcher(encoder, cache_bytes=1 << 20)
     coros = [b.encode([encoder.plan(images[1])], f"c{i}") for i in range(3)]
     _, outputs = asyncio.run(behind_a_held_forward(b, encoder, [encoder.plan(images[0])], coros))
-    assert b.counters.forwarded == 2 and b.counters.joined_in_flight == 2
+    assert b.counters.forwarded == 2
+    assert b.counters.joined_in_flight == 2
     for (result,), _ in outputs[1:]:
         assert result is outputs[0][0][0]
 
@@ -232,8 +246,10 @@ def test_a_cancelled_call_takes_back_its_queued_images(encoder, images):
     during, _, (shared, _) = asyncio.run(run())
     assert set(during) == {"a", "gone"}  # "gone" keeps only the image "stays" awaits
     assert during["gone"] == Work.of([encoder.plan(images[3]).num_patches]).as_list()
-    assert b.counters.dropped == 2 and b.counters.forwarded == 2
-    assert b.load()["by_caller"] == {} and not b._in_flight
+    assert b.counters.dropped == 2
+    assert b.counters.forwarded == 2
+    assert b.load()["by_caller"] == {}
+    assert not b._in_flight
     assert shared[0].shape[0] > 0
 
 
@@ -259,8 +275,10 @@ def test_images_taken_back_while_their_batch_decodes_never_reach_the_tower(encod
         forwards, after = asyncio.run(run())
     finally:
         encoder.decode_gate.set()
-    assert b.counters.dropped == 1 and encoder.forwards == forwards + 1  # only "next"
-    assert b.load()["by_caller"] == {} and after.shape[0] > 0
+    assert b.counters.dropped == 1
+    assert encoder.forwards == forwards + 1
+    assert b.load()["by_caller"] == {}
+    assert after.shape[0] > 0
 
 
 def test_bad_image_fails_only_its_own_call(encoder, images):
@@ -271,7 +289,8 @@ def test_bad_image_fails_only_its_own_call(encoder, images):
     _, ((ok, _), (failed, _)) = asyncio.run(
         behind_a_held_forward(b, encoder, [encoder.plan(images[2])], coros)
     )
-    assert isinstance(ok[0], torch.Tensor) and b.counters.max_batch_images == 2
+    assert isinstance(ok[0], torch.Tensor)
+    assert b.counters.max_batch_images == 2
     assert isinstance(failed[0], EncoderInputError)
 
 
@@ -303,14 +322,16 @@ def test_load_report_counts_queued_work_by_caller(encoder, images):
 
 def test_forward_thread_uses_the_allotted_threads(encoder):
     b = RankBatcher(encoder, BatchingConfig(calibration_grids=()), num_threads=2)
-    assert b.worker_threads == 2 and b.info()["num_threads"] == 2
+    assert b.worker_threads == 2
+    assert b.info()["num_threads"] == 2
 
 
 def test_calibration_fits_a_cost_that_never_falls(encoder):
     b = batcher(encoder, calibration_grids=(4, 8, 16))
     model = b.cost_model
     # non-negative terms: never decreasing (strictly growing is a timing, not a property)
-    assert min(model.a, model.b, model.c) >= 0 and model(256) >= model(16) > 0
+    assert min(model.a, model.b, model.c) >= 0
+    assert model(256) >= model(16) > 0
     assert b.info()["cost_model"]["grids"] == [4, 8, 16]
 
 

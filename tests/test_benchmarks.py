@@ -26,7 +26,7 @@ def test_ours_carries_load_across_requests():
 
 
 @pytest.mark.parametrize(
-    "p95s, knee", [([10, 12, 15, 40], 3), ([10, 11], None)], ids=["knee", "none"]
+    ("p95s", "knee"), [([10, 12, 15, 40], 3), ([10, 11], None)], ids=["knee", "none"]
 )
 def test_knee(p95s, knee):
     assert bench_serve.knee([(i, 0, p, 0) for i, p in enumerate(p95s)]) == knee

@@ -73,12 +73,17 @@ def test_lru_bounded_in_bytes():
     cache = FeatureCache(max_bytes=3 * 400)
     for i in range(5):
         cache.put(f"k{i}", np.zeros(100, dtype=np.float32))  # 400 bytes each
-    assert cache.stats.bytes == 1200 and cache.stats.entries == 3 and cache.stats.evictions == 2
-    assert cache.get("k0") is None and cache.get("k4") is not None
+    assert cache.stats.bytes == 1200
+    assert cache.stats.entries == 3
+    assert cache.stats.evictions == 2
+    assert cache.get("k0") is None
+    assert cache.get("k4") is not None
     cache.get("k2")  # touch: k3 becomes the oldest
     cache.put("k5", np.zeros(100, dtype=np.float32))
-    assert "k3" not in cache and "k2" in cache
-    assert cache.stats.hits == 2 and cache.stats.misses == 1
+    assert "k3" not in cache
+    assert "k2" in cache
+    assert cache.stats.hits == 2
+    assert cache.stats.misses == 1
 
 
 def test_oversized_value_not_cached_and_values_read_only():

@@ -47,7 +47,8 @@ def test_bad_file_names_it(tmp_path, capsys):
     code = main(["encode", "--out", str(tmp_path / "o.safetensors"), str(good), str(bad)])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2
-    assert err.startswith(f"kimi-encoder: {bad}:") and "cannot" in err
+    assert err.startswith(f"kimi-encoder: {bad}:")
+    assert "cannot" in err
     assert not Path(tmp_path / "o.safetensors").exists()
 
 

@@ -33,7 +33,7 @@ from kimi_encoder.client import (
 class Scripted(BaseHTTPRequestHandler):
     """Answers POST /v1/encode from ``server.script``: (status, headers, error) or 'ok'."""
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+    def do_POST(self) -> None:  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         images = [item["image"] for item in body["items"]]
         self.server.seen.append(images)
@@ -85,10 +85,12 @@ def test_retries_honour_retry_after(server):
     server.script = [(503, {"Retry-After": "2"}, "busy"), (429, {}, "slow down"), (408, {}, "t")]
     sleeps: list[float] = []
     [out] = client_for(server, sleeps).encode([b"a"])
-    assert out.grid_thw == (1, 2, 2) and out.owner_rank == 0
+    assert out.grid_thw == (1, 2, 2)
+    assert out.owner_rank == 0
     assert len(server.seen) == 4
     assert sleeps[0] == 2.0  # the server's word
-    assert 0.25 <= sleeps[1] <= 0.5 and 0.5 <= sleeps[2] <= 1.0  # jittered exponential
+    assert 0.25 <= sleeps[1] <= 0.5
+    assert 0.5 <= sleeps[2] <= 1.0
 
 
 def test_gives_up_after_max_retries_and_never_retries_a_400(server):
@@ -98,12 +100,14 @@ def test_gives_up_after_max_retries_and_never_retries_a_400(server):
     server.script = [(400, {}, "item 0: bad")]
     with pytest.raises(EncodeError) as info:
         client_for(server, [], max_retries=5).encode([b"a"])
-    assert info.value.status == 400 and info.value.item == 0
+    assert info.value.status == 400
+    assert info.value.item == 0
     assert len(server.seen) == 4
 
 
 def test_retry_after_forms():
-    assert _retry_after("3") == 3.0 and _retry_after(None) is None
+    assert _retry_after("3") == 3.0
+    assert _retry_after(None) is None
     assert 8 <= _retry_after(formatdate(__import__("time").time() + 10, usegmt=True)) <= 10
     assert _retry_after("soon") is None
 
@@ -125,15 +129,18 @@ def test_named_item_fails_alone_and_unnamed_400_bisects(server, tmp_path):
     encode_files(client_for(server, []), sources, batch_size=5, out_dir=tmp_path / "out",
                  report=report)  # fmt: skip
     assert list(report.failed) == [str(tmp_path / "c.png")]
-    assert report.encoded == 4 and len(server.seen) == 2
-    assert len(server.seen[1]) == 4 and bad not in server.seen[1]
+    assert report.encoded == 4
+    assert len(server.seen) == 2
+    assert len(server.seen[1]) == 4
+    assert bad not in server.seen[1]
 
     server.seen.clear()
     server.script = [lambda imgs: (413, {}, "too many patches") if len(imgs) > 2 else "ok"] * 10
     report = RunReport()
     encode_files(client_for(server, []), sources, batch_size=5, out_dir=tmp_path / "o2",
                  report=report)  # fmt: skip
-    assert report.failed == {} and report.encoded == 5
+    assert report.failed == {}
+    assert report.encoded == 5
     assert sorted(len(s) for s in server.seen) == [1, 2, 2, 3, 5]  # 5 -> 3 + 2, 3 -> 2 + 1
 
 
@@ -147,9 +154,11 @@ def test_duplicates_are_sent_once(server, tmp_path):
     assert set(missing) == {str(tmp_path / "nope.png"), "/no/*.png"}
     report = RunReport()
     sources = plan_sources(files, tmp_path / "out", report)
-    assert report.unique == 1 and len(sources) == 1
+    assert report.unique == 1
+    assert len(sources) == 1
     encode_files(client_for(server, []), sources, out_dir=tmp_path / "out", report=report)
-    assert len(server.seen) == 1 and len(server.seen[0]) == 1
+    assert len(server.seen) == 1
+    assert len(server.seen[0]) == 1
     assert sorted(p.relative_to(tmp_path / "out").as_posix() for p in report.written) == [
         "a.png.safetensors", "b.png.safetensors", "d/c.png.safetensors"
     ]  # fmt: skip

@@ -7,7 +7,7 @@ from kimi_encoder.encoder import VisionEncoder
 
 
 @pytest.mark.parametrize(
-    "a, b, c",
+    ("a", "b", "c"),
     [(2e-9, 1e-6, 1e-3), (0.0, 5e-6, 0.0), (1e-8, 0.0, 2e-3)],
     ids=["all-terms", "linear-only", "no-linear"],
 )
@@ -39,5 +39,6 @@ def test_calibrate_real_encoder():
     term, so the cost never falls as images grow."""
     enc = VisionEncoder.from_pretrained("tiny", device="cpu")
     m = calibrate(enc.time_forward, grids=(4, 16, 32), repeats=1)
-    assert min(m.a, m.b, m.c) >= 0 and m.a + m.b + m.c > 0
+    assert min(m.a, m.b, m.c) >= 0
+    assert m.a + m.b + m.c > 0
     assert m(32 * 32) >= m(16 * 16) >= m(4 * 4)

@@ -50,7 +50,7 @@ def test_refuses_aggregated_item(encoder):
         encoder.encode([item])
 
 
-@pytest.mark.parametrize("backend, word", [("cpu", "CPU"), ("gpu", "GPU")])
+@pytest.mark.parametrize(("backend", "word"), [("cpu", "CPU"), ("gpu", "GPU")])
 def test_wrong_grids_detected(encoder, backend, word):
     item = encoder.plan(image_bytes("RGB", (100, 37)), backend=backend)
     bad = dataclasses.replace(item, grid_thws=torch.tensor([[1, 2, 16]]))
@@ -104,7 +104,7 @@ def test_unknown_dtype():
 
 
 @pytest.mark.parametrize(
-    "dtype, device, expected",
+    ("dtype", "device", "expected"),
     [
         ("auto", "cpu", torch.float32),
         ("auto", "cuda", torch.bfloat16),
@@ -129,6 +129,8 @@ def test_auto_dtype_on_cpu_is_float32():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_dtype_on_cuda_is_bfloat16():
     enc = VisionEncoder.from_pretrained("tiny", device="cuda")
-    assert enc.dtype == torch.bfloat16 and enc.device.type == "cuda"
+    assert enc.dtype == torch.bfloat16
+    assert enc.device.type == "cuda"
     (features,) = enc.encode([enc.plan(image_bytes("RGB", (100, 37)))])
-    assert features.dtype == torch.bfloat16 and torch.isfinite(features.float()).all()
+    assert features.dtype == torch.bfloat16
+    assert torch.isfinite(features.float()).all()

@@ -27,7 +27,7 @@ def test_inline_references(ref):
 
 
 @pytest.mark.parametrize(
-    "ref, error, match",
+    ("ref", "error", "match"),
     [
         ("data:image/png;base64,@@@@", EncoderInputError, "data URL is not valid base64"),
         ("data:image/png,%89PNG", EncoderInputError, "data URL is not base64"),
@@ -46,7 +46,7 @@ def test_refused_references(ref, error, match):
 
 
 @pytest.mark.parametrize(
-    "address, private_ok, refusal",
+    ("address", "private_ok", "refusal"),
     [
         ("8.8.8.8", False, None),
         ("2606:4700::1111", False, None),
@@ -76,7 +76,7 @@ def test_private_address_refused_when_http_is_allowed():
 class _Handler(BaseHTTPRequestHandler):
     release: threading.Event
 
-    def do_GET(self):  # noqa: N802 (http.server's name)
+    def do_GET(self):  # http.server calls it by this name
         if self.path == "/a.png":
             self._answer(200, PNG, {"Content-Length": str(len(PNG))})
         elif self.path == "/moved":
@@ -120,7 +120,7 @@ def test_fetch_from_an_allowed_loopback_server(server):
 
 
 @pytest.mark.parametrize(
-    "path, error, match",
+    ("path", "error", "match"),
     [
         ("/moved", EncoderInputError, "answered 302 .*redirects are not followed"),
         ("/missing", EncoderInputError, "answered HTTP 404"),
@@ -141,7 +141,7 @@ def test_fetch_deadline(server):
 
 
 @pytest.mark.parametrize(
-    "url, match",
+    ("url", "match"),
     [
         ("http://127.0.0.1:99999/a.png", "invalid port"),
         ("http://user:pw@127.0.0.1/a.png", "carry no credentials"),

@@ -63,7 +63,8 @@ def encode_body(**overrides):
 def test_encode_request_zmq_to_scheduler():
     req = EncodeRequest.from_json(encode_body())
     assert (req.rid, req.part_idx, req.num_parts, req.receive_address) == ("9f2c", 1, 2, None)
-    assert req.mm_items[0].url == DATA_URL and req.mm_items[0].content_hash is None
+    assert req.mm_items[0].url == DATA_URL
+    assert req.mm_items[0].content_hash is None
 
 
 def test_encode_request_zmq_to_tokenizer():
@@ -80,7 +81,7 @@ def test_media_item_dict_with_hash_and_ignored_options():
 
 
 @pytest.mark.parametrize(
-    "overrides, match",
+    ("overrides", "match"),
     [
         ({"modality": "VIDEO"}, MSG_IMAGE_ONLY),
         ({"mm_items": []}, "mm_items must be a non-empty list"),
@@ -197,7 +198,8 @@ def test_embedding_frames(dtype):
     grids = torch.tensor([[1, 4, 8], [1, 4, 4]])
     frame0, frame1 = embedding_frames(req, features, grids, [(100, 37), (50, 50)])
 
-    assert EMBEDDING_DATA in _globals(frame0) and MODALITY in _globals(frame0)
+    assert EMBEDDING_DATA in _globals(frame0)
+    assert MODALITY in _globals(frame0)
     assert _globals(frame0) <= FRAME0_GLOBALS
     meta = _Unpickler(io.BytesIO(frame0)).load()
     assert vars(meta).keys() == {
@@ -217,7 +219,8 @@ def test_embedding_frames(dtype):
     }
     assert (meta.req_id, meta.num_parts, meta.part_idx) == ("9f2c_local_part_1", 2, 1)
     assert meta.modality == ("Modality", MODALITY_IMAGE)
-    assert meta.grid_dim.dtype == torch.int64 and torch.equal(meta.grid_dim, grids)
+    assert meta.grid_dim.dtype == torch.int64
+    assert torch.equal(meta.grid_dim, grids)
     assert (meta.dtype, meta.shape, meta.embedding, meta.error_msg) == (dtype, [12, 16], None, None)
     assert meta.original_image_sizes == [[100, 37], [50, 50]]
     received = torch.frombuffer(bytearray(frame1), dtype=meta.dtype).reshape(meta.shape)
@@ -298,7 +301,8 @@ def test_pusher_delivers_to_a_pull_socket(zmq_ctx):
     assert asyncio.run(main()) == [tcp_endpoint(address)]
     # Two connections: the messages may arrive in either order.
     received = sorted((sock.recv_multipart() for _ in range(2)), key=lambda m: m[0])
-    assert received[0] == [b"again", b"x"] and received[1][0] == b"meta"
+    assert received[0] == [b"again", b"x"]
+    assert received[1][0] == b"meta"
     assert np.array_equal(np.frombuffer(received[1][1], np.float32), body)
 
 

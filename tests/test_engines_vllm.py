@@ -18,7 +18,7 @@ def _header_dtype(path) -> str:
 
 
 @pytest.mark.parametrize(
-    "dtype, stored", [(torch.float32, "F32"), (torch.bfloat16, "BF16")], ids=["f32", "bf16"]
+    ("dtype", "stored"), [(torch.float32, "F32"), (torch.bfloat16, "BF16")], ids=["f32", "bf16"]
 )
 def test_write_and_read_back(tmp_path, dtype, stored):
     features = torch.randn(12, 16, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -29,7 +29,8 @@ def test_write_and_read_back(tmp_path, dtype, stored):
     assert entry.nbytes == entry.path.stat().st_size
     assert _header_dtype(entry.path) == stored
     loaded = load_file(entry.path)
-    assert list(loaded) == [EC_KEY] and torch.equal(loaded[EC_KEY], features)
+    assert list(loaded) == [EC_KEY]
+    assert torch.equal(loaded[EC_KEY], features)
     assert sorted(p.name for p in entry.path.parent.iterdir()) == [EC_FILENAME]
 
 

@@ -133,7 +133,8 @@ def test_all_ranks_answer_in_request_order():
     request = items(6)
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
-    assert gathered.redispatched == 0 and health.down() == set()
+    assert gathered.redispatched == 0
+    assert health.down() == set()
     assert sorted(i for r in ranks for call in r.calls for i in call) == list(range(6))
     for rank in ranks:  # each image went to the owner the gather reports
         for i in rank.calls[0]:
@@ -156,10 +157,12 @@ def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     lost = ranks[1].calls[0]
-    assert lost and gathered.redispatched == len(lost)
+    assert lost
+    assert gathered.redispatched == len(lost)
     assert all(gathered.owners[i] == 0 for i in range(6))
     assert ranks[0].calls[1] == lost  # the second round carried exactly rank 1's share
-    assert health.down() == {1} and health.failures == [0, 1]
+    assert health.down() == {1}
+    assert health.failures == [0, 1]
 
 
 def test_every_rank_down_is_no_rank_available_with_retry_after():
@@ -170,7 +173,8 @@ def test_every_rank_down_is_no_rank_available_with_retry_after():
     fanout, health = fan_out(ranks, cooldown_s=30)
     with pytest.raises(NoRankAvailableError, match="retry after 30 s") as info:
         asyncio.run(fanout.run(items(4), "float32"))
-    assert info.value.retry_after_s == 30 and health.down() == {0, 1}
+    assert info.value.retry_after_s == 30
+    assert health.down() == {0, 1}
 
 
 def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
@@ -182,8 +186,10 @@ def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
     request = items(4, seed=20)
     with pytest.raises(EncoderInputError, match=r"item \d: cannot decode"):
         asyncio.run(fanout.run(request, "float32"))
-    assert len(ranks[0].calls) == 1 and len(ranks[1].calls) == 1  # one round only
-    assert health.down() == set() and health.redispatched == 0
+    assert len(ranks[0].calls) == 1
+    assert len(ranks[1].calls) == 1
+    assert health.down() == set()
+    assert health.redispatched == 0
 
 
 def test_timeout_cancels_every_call():
@@ -221,7 +227,8 @@ def test_a_rank_that_answers_its_probe_takes_work_again():
         return health
 
     health = asyncio.run(scenario())
-    assert health.down() == set() and health.recoveries == [0, 1]
+    assert health.down() == set()
+    assert health.recoveries == [0, 1]
 
 
 def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
@@ -239,7 +246,8 @@ def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
     share = ranks[1].calls[0]
     assert ranks[0].calls[-1] == share  # the late call's images went to rank 0
     assert ranks[1].cancelled == 1  # the duplicate was dropped once rank 0 answered
-    assert health.hedged >= len(share) and 1 in health.down()
+    assert health.hedged >= len(share)
+    assert 1 in health.down()
     assert all(gathered.owners[i] == 0 for i in share)
 
 
@@ -286,8 +294,10 @@ def test_health_is_ordered_by_time_and_replica():
         return stale, replaced, health.down(), health.ignored
 
     stale, replaced, after_old_error, ignored = asyncio.run(scenario())
-    assert stale == {0} and replaced == set()
-    assert after_old_error == set() and ignored == 1  # an old replica never marks B down
+    assert stale == {0}
+    assert replaced == set()
+    assert after_old_error == set()
+    assert ignored == 1
 
 
 def test_slow_ranks_still_take_work_when_no_rank_is_up():
@@ -320,4 +330,6 @@ def test_a_silent_rank_gets_no_new_work():
         return await fanout.run(items(4, seed=80), "float32")
 
     gathered = asyncio.run(scenario())
-    assert health.down() == {1} and set(gathered.owners) == {0} and not ranks[1].calls
+    assert health.down() == {1}
+    assert set(gathered.owners) == {0}
+    assert not ranks[1].calls

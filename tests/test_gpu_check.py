@@ -32,7 +32,8 @@ def test_cpu_smoke_runs_every_section(smoke):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.startswith("versions: python ")
     report = json.loads((out / "gpu_check.json").read_text())
-    assert report["mode"] == "cpu-smoke" and report["exit_code"] == 0
+    assert report["mode"] == "cpu-smoke"
+    assert report["exit_code"] == 0
     assert list(report["sections"]) == list(gpu_check.SECTIONS)
     for name, section in report["sections"].items():
         assert section["status"] == "pass", (name, section.get("error"), section["notes"])
@@ -44,9 +45,11 @@ def test_cpu_smoke_runs_every_section(smoke):
     tower = report["sections"]["tower"]["results"]
     assert tower["mix 4 x 64 (sdpa)"]["patches"] == 256
     served = report["sections"]["served"]["results"]
-    assert served["concurrency 2"]["images"] > 0 and served["concurrency 2"]["errors"] == []
+    assert served["concurrency 2"]["images"] > 0
+    assert served["concurrency 2"]["errors"] == []
     markdown = (out / "gpu_check.md").read_text()
-    assert "## served: pass" in markdown and "| concurrency 4 |" in markdown
+    assert "## served: pass" in markdown
+    assert "| concurrency 4 |" in markdown
 
 
 def test_flop_formula_matches_torch_flop_counter():
@@ -73,7 +76,7 @@ def test_k3_flops_per_1024_patch_image():
 
 
 @pytest.mark.parametrize(
-    "row, flat",
+    ("row", "flat"),
     [({"a": 1}, {"a": 1}), ({"a": {"b": 1, "c": [2]}, "d": 3}, {"a.b": 1, "a.c": [2], "d": 3})],
     ids=["flat", "nested"],
 )

@@ -37,9 +37,11 @@ def ec_request(uuids, images=IMAGES, **fields) -> V1Request:
 def test_vllm_ec_output_is_admitted_in_the_model_dtype(tmp_path):
     gate = admission(ec_root=str(tmp_path), dtype="bfloat16", feature_dtype="float32")
     admitted = gate.admit_json(ec_request(["a", "b"]))
-    assert admitted.output.uuids == ["a", "b"] and admitted.feature_dtype == "bfloat16"
+    assert admitted.output.uuids == ["a", "b"]
+    assert admitted.feature_dtype == "bfloat16"
     plain = gate.admit_json(V1Request.model_validate({"items": ec_request(["a"]).items}))
-    assert plain.output is None and plain.feature_dtype == "float32"
+    assert plain.output is None
+    assert plain.feature_dtype == "float32"
 
 
 @pytest.mark.parametrize(

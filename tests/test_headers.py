@@ -54,7 +54,7 @@ def assert_matches_pillow(data: bytes) -> tuple[int, int]:
 
 @pytest.mark.parametrize("size", SIZES, ids=[f"{w}x{h}" for w, h in SIZES])
 @pytest.mark.parametrize(
-    "fmt, mode",
+    ("fmt", "mode"),
     [(f, m) for f, modes in SAVABLE.items() for m in modes],
     ids=[f"{f}-{m}" for f, modes in SAVABLE.items() for m in modes],
 )
@@ -92,7 +92,7 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize(
-    "fmt, options", OPTIONS, ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in OPTIONS]
+    ("fmt", "options"), OPTIONS, ids=[f"{f}-{'-'.join(o) or 'plain'}" for f, o in OPTIONS]
 )
 def test_encoder_options_match_pillow(fmt, options):
     assert_matches_pillow(saved(RGB, fmt, **options))
@@ -170,7 +170,7 @@ BMP_CASES = [
 
 
 @pytest.mark.parametrize(
-    "header, height, bits", BMP_CASES, ids=[f"{h}-bytes-{y}-{b}-bit" for h, y, b in BMP_CASES]
+    ("header", "height", "bits"), BMP_CASES, ids=[f"{h}-bytes-{y}-{b}-bit" for h, y, b in BMP_CASES]
 )
 def test_every_bmp_header_version(header, height, bits):
     data = bmp(header, 7, height, bits)
@@ -230,7 +230,7 @@ def gif_with_frame_at(screen: tuple[int, int], left: int, top: int) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "screen, left, top, size",
+    ("screen", "left", "top", "size"),
     [
         ((20, 10), 0, 0, (20, 10)),
         ((50, 40), 3, 4, (50, 40)),  # frame inside a larger screen
@@ -265,7 +265,8 @@ def webp_vp8x(width: int, height: int) -> bytes:
 
 def test_webp_sizes_from_every_chunk_kind():
     lossy, lossless = saved(RGB, "WEBP"), saved(RGB, "WEBP", lossless=True)
-    assert lossy[12:16] == b"VP8 " and lossless[12:16] == b"VP8L"
+    assert lossy[12:16] == b"VP8 "
+    assert lossless[12:16] == b"VP8L"
     assert saved(make_image("RGBA", (9, 9)), "WEBP")[12:16] == b"VP8X"
     assert header_size(lossy, "WEBP") == header_size(lossless, "WEBP") == (301, 203)
     assert header_size(webp_vp8x(16383, 16383), "WEBP") == (16383, 16383)
@@ -276,7 +277,7 @@ def test_webp_sizes_from_every_chunk_kind():
 
 
 @pytest.mark.parametrize(
-    "data, name",
+    ("data", "name"),
     [
         (b"\x00\x00\x01\x00\x01\x00", "ICO"),
         (b"%!PS-Adobe-3.0 EPSF-3.0\n", "PostScript/EPS"),
@@ -385,7 +386,7 @@ BAD = [
 
 
 @pytest.mark.parametrize(
-    "fmt, data, match", BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)]
+    ("fmt", "data", "match"), BAD, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(BAD)]
 )
 def test_malformed_headers_say_what_is_wrong(fmt, data, match):
     assert detect_format(data) == fmt
@@ -436,7 +437,10 @@ def test_mutated_files_give_a_size_or_a_header_error(data):
         width, height = header_size(data, fmt)
     except HeaderError:
         return
-    assert isinstance(width, int) and isinstance(height, int) and width >= 0 and height >= 0
+    assert isinstance(width, int)
+    assert isinstance(height, int)
+    assert width >= 0
+    assert height >= 0
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as img:
             pillow = img.size
@@ -456,7 +460,8 @@ def test_random_bytes_behind_a_signature(fmt, tail):
         width, height = header_size(data, fmt)
     except HeaderError:
         return
-    assert width >= 0 and height >= 0
+    assert width >= 0
+    assert height >= 0
 
 
 def test_docstring_examples():

@@ -31,7 +31,7 @@ TINY = get_preset("tiny").preprocess
 
 
 @pytest.mark.parametrize(
-    "size, cfg, grid, tokens",
+    ("size", "cfg", "grid", "tokens"),
     [
         ((1920, 1080), K3, (1, 78, 138), 2691),
         ((1, 1), K3, (1, 2, 2), 1),  # a 1x1 image is mostly padding
@@ -48,14 +48,16 @@ def test_navit_resize(size, cfg, grid, tokens):
     rc = navit_resize(*size, cfg)
     assert rc.grid_thw(cfg.patch_size) == grid
     assert rc.num_tokens == tokens
-    assert rc.new_width <= size[0] and rc.new_height <= size[1]  # only ever downscales
-    assert (rc.new_width + rc.pad_width) % 28 == 0 and (rc.new_height + rc.pad_height) % 28 == 0
+    assert rc.new_width <= size[0]
+    assert rc.new_height <= size[1]
+    assert (rc.new_width + rc.pad_width) % 28 == 0
+    assert (rc.new_height + rc.pad_height) % 28 == 0
 
 
 def test_padding_can_exceed_patch_limit():
     """The limit is checked before padding, so padding may go slightly over it."""
     rc = navit_resize(1000, 1000, TINY)
-    t, h, w = rc.grid_thw(14)
+    _t, h, w = rc.grid_thw(14)
     assert (rc.new_width // 14) * (rc.new_height // 14) <= TINY.in_patch_limit < h * w
 
 
@@ -99,7 +101,7 @@ def test_split_row_count_mismatch():
 
 
 @pytest.mark.parametrize(
-    "grids, match",
+    ("grids", "match"),
     [
         ([[2, 4, 4]], r"row 0 is \[2, 4, 4\] with t=2; images have t=1"),
         ([[1, 2, 2], [1, 3, 4]], r"row 1 is \[1, 3, 4\]; h and w must be positive multiples"),
@@ -135,7 +137,8 @@ def test_bad_grid_rows(grids, match):
 )
 def test_good_grid_rows_become_int64(grids):
     checked = check_grid_rows(grids, (2, 2))
-    assert checked.dtype == torch.int64 and checked.tolist() == [[1, 2, 4], [1, 6, 2]]
+    assert checked.dtype == torch.int64
+    assert checked.tolist() == [[1, 2, 4], [1, 6, 2]]
 
 
 def test_split_counts_rows_without_wrapping():
@@ -174,7 +177,7 @@ ALLOWED = r"the server reads PNG, JPEG, WebP, GIF, BMP or TIFF files, recognised
 
 
 @pytest.mark.parametrize(
-    "data, error, match",
+    ("data", "error", "match"),
     [
         (b"", EncoderInputError, r"image data is empty \(0 bytes\)"),
         (
@@ -202,7 +205,8 @@ ALLOWED = r"the server reads PNG, JPEG, WebP, GIF, BMP or TIFF files, recognised
 def test_bad_headers(data, error, match):
     with pytest.raises(error, match=match) as info:
         read_image_size(data, index=2)
-    assert type(info.value) is error and str(info.value).startswith("item 2: ")
+    assert type(info.value) is error
+    assert str(info.value).startswith("item 2: ")
     if error is UnsupportedFormatError:
         assert ALLOWED.split(",")[0] in str(info.value)
 
@@ -211,7 +215,8 @@ def test_pillow_would_open_the_refused_formats():
     """The allow-list is what refuses them: Pillow itself reads these files."""
     for fmt in ("ICO", "EPS", "JPEG2000"):
         with Image.open(io.BytesIO(_saved(fmt))) as img:
-            assert img.format == fmt and img.size == (32, 32)
+            assert img.format == fmt
+            assert img.size == (32, 32)
 
 
 @pytest.mark.parametrize("fmt", ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"])

@@ -38,7 +38,8 @@ def test_waits_for_room_and_releases_on_success_error_and_cancel():
         assert (leases.held, order, leases.info()["leases_waiting"]) == (70, ["a"], 2)
         release_first.set()
         await asyncio.gather(a, b, c)
-        assert order == ["a", "b", "c"] and leases.held == 0
+        assert order == ["a", "b", "c"]
+        assert leases.held == 0
 
         async def failing():
             async with leases.hold(40):
@@ -77,7 +78,8 @@ def test_timeout_releases_and_an_oversized_lease_runs_alone():
         assert leases.held == 0
         async with leases.hold(500):  # larger than the budget: admitted while nothing is held
             assert leases.held == 500
-        assert leases.info()["leases_oversized"] == 1 and leases.held == 0
+        assert leases.info()["leases_oversized"] == 1
+        assert leases.held == 0
 
     run(scenario())
 

@@ -34,7 +34,8 @@ ADMISSION = Admission(PRESET.vision, PRESET.preprocess, AppArgs(max_image_pixels
 
 
 def test_pil_bomb_protection_is_on():
-    assert Image.MAX_IMAGE_PIXELS is not None and Image.MAX_IMAGE_PIXELS <= 100_000_000
+    assert Image.MAX_IMAGE_PIXELS is not None
+    assert Image.MAX_IMAGE_PIXELS <= 100_000_000
 
 
 @pytest.mark.parametrize("max_pixels", [None, 1_000_000], ids=["pil-limit", "our-limit"])
@@ -120,7 +121,7 @@ BOUNDED = [
 
 
 @pytest.mark.parametrize(
-    "build, error, expected", [b[1:] for b in BOUNDED], ids=[b[0] for b in BOUNDED]
+    ("build", "error", "expected"), [b[1:] for b in BOUNDED], ids=[b[0] for b in BOUNDED]
 )
 def test_admission_memory_is_bounded(build, error, expected):
     """Admission allocates under 1 MB beyond the input, whatever the input claims or holds."""
@@ -171,7 +172,7 @@ def _pixel_item(grid_thws, rows: int = 4, shape_rows: int | None = None) -> dict
 
 
 @pytest.mark.parametrize(
-    "item, match",
+    ("item", "match"),
     [
         (_pixel_item([[1, 2, 2], [1, 2]]), r"item 0: grid_thws row 1 is \[1, 2\] with 2 values"),
         (_pixel_item([[1, 2, 2**64]]), r"item 0: grid_thws row 0 .* past int64"),
@@ -185,7 +186,7 @@ def test_client_grids_are_refused_with_400(item, match):
 
 
 @pytest.mark.parametrize(
-    "item, match",
+    ("item", "match"),
     [
         (_pixel_item([[True, 2, 2]]), r"grid_thws\.0\.0\n  Input should be a valid integer"),
         (_pixel_item([[1.0, 2, 2]]), r"grid_thws\.0\.0\n  Input should be a valid integer"),
@@ -257,10 +258,12 @@ def test_read_body_stops_at_the_limit():
 def test_api_key_from_env_or_file(tmp_path):
     assert not ApiKey.load(None, {}).required
     key = ApiKey.load(None, {ENV_VAR: " s3cret\n"})
-    assert key.allows("Bearer s3cret") and key.allows("bearer s3cret")
+    assert key.allows("Bearer s3cret")
+    assert key.allows("bearer s3cret")
     for header in (None, "", "Bearer", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret", "s3cret"):
         assert not key.allows(header), header
-    assert "s3cret" not in repr(key) and "s3cret" not in str(vars(key))
+    assert "s3cret" not in repr(key)
+    assert "s3cret" not in str(vars(key))
     path = tmp_path / "key"
     path.write_text("from-file\n")
     assert ApiKey.load(str(path), {}).allows("Bearer from-file")

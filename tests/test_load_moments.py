@@ -24,7 +24,7 @@ def test_removing_more_than_outstanding_is_a_bug():
 
 
 @pytest.mark.parametrize(
-    "own, reports, loads",
+    ("own", "reports", "loads"),
     [
         ([Work(), Work()], [None, None], [0.0, 0.0]),  # nothing anywhere
         ([Work.of([8]), Work()], [None, None], [8.0, 0.0]),  # own work before any report

@@ -33,7 +33,7 @@ def tiny_model():
 
 
 @pytest.mark.parametrize(
-    "lengths, offsets, longest",
+    ("lengths", "offsets", "longest"),
     [([], [0], 0), ([4], [0, 4], 4), ([4, 16, 8], [0, 4, 20, 28], 16), ([9, 9], [0, 9, 18], 9)],
     ids=["none", "one", "three", "equal"],
 )
@@ -62,7 +62,7 @@ DISPATCH = [
 
 
 @pytest.mark.parametrize(
-    "requested, device, dtype, capability, present, kernel",
+    ("requested", "device", "dtype", "capability", "present", "kernel"),
     DISPATCH,
     ids=[f"{r}-{d}-{str(t)[6:]}-{c}-{'fn' if p else 'nofn'}" for r, d, t, c, p, _ in DISPATCH],
 )
@@ -95,8 +95,10 @@ def test_unknown_attention_choice():
 
 def test_segments_on_cpu():
     seg = m.Segments.of(GRIDS[:3], torch.device("cpu"), BF16, "auto")
-    assert seg.kernel == "sdpa" and seg.cu_seqlens is None
-    assert seg.lengths == [96, 256, 48] and seg.max_len == 256
+    assert seg.kernel == "sdpa"
+    assert seg.cu_seqlens is None
+    assert seg.lengths == [96, 256, 48]
+    assert seg.max_len == 256
     with pytest.raises(ValueError, match="attention 'varlen' needs a CUDA device"):
         m.Segments.of(GRIDS[:3], torch.device("cpu"), BF16, "varlen")
 
@@ -106,7 +108,7 @@ def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=
 
 
 @pytest.mark.parametrize(
-    "fn, expected",
+    ("fn", "expected"),
     [
         (_varlen_2_10, {}),
         (m.varlen_attn, {"scale": 128**-0.5, "num_splits": 1}),
@@ -169,7 +171,8 @@ def test_cached_position_embedding_is_bitwise_fresh(tiny_model, mode, dtype):
         first = pos(GRIDS)  # misses (and one repeat grid: a hit)
         again = pos(GRIDS)  # hits
     assert len(pos.tables) == 5  # distinct (h, w) other than the table's own 16 x 16
-    assert torch.equal(first, want) and torch.equal(again, want)
+    assert torch.equal(first, want)
+    assert torch.equal(again, want)
     for single in ([(1, 8, 12)], [(2, 6, 4)], [(1, 16, 16)]):  # one image: no concatenation
         with torch.inference_mode():
             assert torch.equal(pos(single), _position_reference(pos, single)), single
@@ -181,7 +184,8 @@ def test_cached_rope_is_bitwise_fresh():
     first, again = rope(GRIDS, torch.device("cpu")), rope(GRIDS, torch.device("cpu"))
     assert len(rope.tables) == 6
     assert first.dtype == torch.complex64
-    assert torch.equal(first, want) and torch.equal(again, want)
+    assert torch.equal(first, want)
+    assert torch.equal(again, want)
     for single in ([(1, 8, 12)], [(3, 2, 6)]):  # one image: no concatenation
         got = rope(single, torch.device("cpu"))
         assert torch.equal(got, _rope_reference(single, TINY.head_dim, TINY.rope_theta)), single
@@ -290,7 +294,8 @@ def test_position_cache_stays_off_with_gradients():
     out = pos(GRIDS)
     assert len(pos.tables) == 0
     out.sum().backward()
-    assert pos.weight.grad is not None and pos.weight.grad.abs().sum() > 0
+    assert pos.weight.grad is not None
+    assert pos.weight.grad.abs().sum() > 0
 
 
 def test_table_cache_is_a_bounded_lru():
@@ -304,11 +309,15 @@ def test_table_cache_is_a_bounded_lru():
     cache.get("a", table, -1.0)  # a hit: not recomputed, now most recent
     assert cache.get("a", table, -1.0)[0] == ord("a")
     cache.get("d", table, 4.0)  # evicts b, the least recently used
-    assert list(cache._tables) == ["c", "a", "d"] and cache.bytes == 1200
+    assert list(cache._tables) == ["c", "a", "d"]
+    assert cache.bytes == 1200
     big = cache.get("huge", table, 5.0, 1000)  # over the bound: returned, not kept
-    assert big.numel() == 1000 and "huge" not in cache._tables and cache.bytes == 1200
+    assert big.numel() == 1000
+    assert "huge" not in cache._tables
+    assert cache.bytes == 1200
     cache.clear()
-    assert len(cache) == 0 and cache.bytes == 0
+    assert len(cache) == 0
+    assert cache.bytes == 0
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -369,7 +378,8 @@ def test_cuda_tower_picks_its_kernel():
     seg = m.Segments.of([(1, 4, 6), (1, 8, 8)], torch.device("cuda"), torch.bfloat16, "auto")
     assert seg.kernel == ("varlen" if _varlen_ready() else "sdpa")
     if seg.kernel == "varlen":
-        assert seg.cu_seqlens.tolist() == [0, 24, 88] and seg.cu_seqlens.dtype == torch.int32
+        assert seg.cu_seqlens.tolist() == [0, 24, 88]
+        assert seg.cu_seqlens.dtype == torch.int32
     pixels = torch.randn(88, 3, 14, 14, device="cuda")
     with torch.inference_mode():
         auto = tower(pixels.bfloat16(), [(1, 4, 6), (1, 8, 8)]).float()

@@ -46,11 +46,11 @@ from safetensors import safe_open
 
 pytest.importorskip("transformers")
 
-import reference_k25 as ref  # noqa: E402
+import reference_k25 as ref
 
-from kimi_encoder.config import PreprocessConfig, VisionConfig  # noqa: E402
-from kimi_encoder.encoder import VisionEncoder  # noqa: E402
-from kimi_encoder.weights import write_checkpoint  # noqa: E402
+from kimi_encoder.config import PreprocessConfig, VisionConfig
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.weights import write_checkpoint
 
 FEATURE_TOL = 1e-4
 PIXEL_TOL = 1e-6

@@ -239,7 +239,7 @@ def test_raw_from_pil_layout():
             assert raw.palette is None
 
 
-@pytest.mark.parametrize("resize", RESIZES + [BIG_RESIZE], ids=_size_id)
+@pytest.mark.parametrize("resize", [*RESIZES, BIG_RESIZE], ids=_size_id)
 @pytest.mark.parametrize("kind", KINDS)
 def test_resize_and_to_rgb_match_pillow(kind: str, resize):
     source, target = resize
@@ -283,8 +283,11 @@ def test_composite_every_alpha_and_value(background: str):
 def test_chessboard_geometry():
     transparent = RawImage(torch.zeros(40, 40, 4, dtype=torch.uint8), "RGBA")
     board = to_rgb(transparent, {"pattern": "chessboard"})[..., 0]  # the defaults
-    assert board[0, 0] == 255 and board[15, 15] == 255  # white top-left square
-    assert board[0, 16] == 200 and board[16, 0] == 200 and board[16, 16] == 255
+    assert board[0, 0] == 255
+    assert board[15, 15] == 255
+    assert board[0, 16] == 200
+    assert board[16, 0] == 200
+    assert board[16, 16] == 255
     flipped = to_rgb(
         transparent,
         {
@@ -360,7 +363,7 @@ def test_unsupported_mode_names_the_supported_ones():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_pillow(kind: str):
-    for source, target in RESIZES + [BIG_RESIZE]:
+    for source, target in [*RESIZES, BIG_RESIZE]:
         img = make_image(kind, *source, seed=source[0])
         raw = resize_bicubic(raw_from_pil(img, device="cuda"), target)
         assert raw.pixels.device.type == "cuda"

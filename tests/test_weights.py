@@ -50,7 +50,7 @@ def test_vision_keys_only(oracle_dir):
 
 
 @pytest.mark.parametrize(
-    "edit, match",
+    ("edit", "match"),
     [
         (lambda t: t.pop("mm_projector.post_norm.weight"), "missing keys: mm_projector.post_norm"),
         (
@@ -112,6 +112,8 @@ def test_oracle_config_is_read_exactly(oracle_dir):
         4,
         2,
     )
-    assert vision.text_hidden_size == 80 and vision.variant == "k3"
-    assert preprocess.in_patch_limit == 1024 and preprocess.patch_limit_on_one_side == 64
+    assert vision.text_hidden_size == 80
+    assert vision.variant == "k3"
+    assert preprocess.in_patch_limit == 1024
+    assert preprocess.patch_limit_on_one_side == 64
     assert preprocess.transparent_bg_config["chessboard_gray_value"] == 180

@@ -73,7 +73,8 @@ def test_each_feature_dtype_reads_back_with_safetensors_and_numpy(dtype):
     body = safetensors_body({"features.0": (stored, SAFETENSORS[dtype])})
     assert torch.equal(load_torch(body)["features.0"], rounded)
     ours, name = read_safetensors(body)[0]["features.0"]
-    assert name == dtype and np.array_equal(to_float32(ours, name), rounded.float().numpy())
+    assert name == dtype
+    assert np.array_equal(to_float32(ours, name), rounded.float().numpy())
     raw = base64.b64decode(b64(stored))
     values = to_float32(np.frombuffer(raw, dtype=STORAGE[dtype]).reshape(7, 80), dtype)
     np.testing.assert_array_equal(values, rounded.float().numpy())

@@ -33,6 +33,7 @@ import torch
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
 from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
+import itertools
 
 SGLANG_VERSION = "0.5.23"
 
@@ -462,7 +463,7 @@ def _dumps(state: dict) -> bytes:
     data = pickle.dumps(_EmbeddingData(state), protocol=3)
     ops = list(pickletools.genops(data))
     out, last = bytearray(), 0
-    for (op, arg, pos), (_, _, end) in zip(ops, ops[1:], strict=False):
+    for (op, arg, pos), (_, _, end) in itertools.pairwise(ops):
         if op.name != "GLOBAL":
             continue
         module, name = _STAND_INS.get(tuple(arg.split(" ")), tuple(arg.split(" ")))

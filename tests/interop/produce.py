@@ -25,11 +25,11 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/images.py
 
-from images import image_bytes  # noqa: E402
+from images import image_bytes
 
-from kimi_encoder.config import PreprocessConfig, VisionConfig  # noqa: E402
-from kimi_encoder.engines.media import FetchPolicy  # noqa: E402
-from kimi_encoder.engines.sglang import (  # noqa: E402
+from kimi_encoder.config import PreprocessConfig, VisionConfig
+from kimi_encoder.engines.media import FetchPolicy
+from kimi_encoder.engines.sglang import (
     EncodeRequest,
     ReceiverRegistry,
     ReceiveUrlRequest,
@@ -38,9 +38,10 @@ from kimi_encoder.engines.sglang import (  # noqa: E402
     error_frames,
     load_images,
 )
-from kimi_encoder.engines.transport import ZmqPusher  # noqa: E402
-from kimi_encoder.engines.vllm import write_ec_cache  # noqa: E402
-from kimi_encoder.items import plan_image  # noqa: E402
+from kimi_encoder.engines.transport import ZmqPusher
+from kimi_encoder.engines.vllm import write_ec_cache
+from kimi_encoder.items import plan_image
+import itertools
 
 SIZES = [(100, 37), (64, 64), (300, 20)]  # (width, height), one image each
 HIDDEN = 32
@@ -62,7 +63,7 @@ def split(n: int, parts: int) -> list[range]:
     bounds = [0]
     for k in range(parts):
         bounds.append(bounds[-1] + base + (1 if k < extra else 0))
-    return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
 def part_payloads(args):

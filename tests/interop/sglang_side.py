@@ -70,10 +70,12 @@ def check_processor_output(output, spec, features, pad: int, exact: bool = True)
     assert len(output.mm_items) == len(spec["tokens"])
     for i, item in enumerate(output.mm_items):
         (start, end), count = item.offsets[0], spec["tokens"][i]
-        assert end - start + 1 == count and output.input_ids[start : end + 1] == [pad] * count
+        assert end - start + 1 == count
+        assert output.input_ids[start : end + 1] == [pad] * count
         want = features[offsets[i] : offsets[i + 1]]
         got = item.precomputed_embeddings
         if exact:
-            assert got.dtype == want.dtype and torch.equal(got, want)
+            assert got.dtype == want.dtype
+            assert torch.equal(got, want)
         else:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)

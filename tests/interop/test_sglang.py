@@ -52,11 +52,13 @@ def test_frames_load_as_sglangs_own(produce, dtype):
             embedding=rows,
             original_image_sizes=[spec["sizes"][i] for i in items],
         ).copy_without_embedding()
-        assert type(meta) is EmbeddingData and meta.modality is Modality.IMAGE
+        assert type(meta) is EmbeddingData
+        assert meta.modality is Modality.IMAGE
         assert vars(meta).keys() == vars(expected).keys()
         for key, value in vars(expected).items():
             if isinstance(value, torch.Tensor):
-                assert value.dtype == meta.grid_dim.dtype and torch.equal(getattr(meta, key), value)
+                assert value.dtype == meta.grid_dim.dtype
+                assert torch.equal(getattr(meta, key), value)
             else:
                 assert getattr(meta, key) == value, key
         frame1 = (produce.out / f"{k}.frame1").read_bytes()
@@ -68,7 +70,8 @@ def test_frames_load_as_sglangs_own(produce, dtype):
         expected_error = EmbeddingData(
             part["req_id"], 2, k, None, Modality.IMAGE, error_msg=message, error_code=code
         ).copy_without_embedding()
-        assert type(error) is EmbeddingData and vars(error) == vars(expected_error)
+        assert type(error) is EmbeddingData
+        assert vars(error) == vars(expected_error)
 
 
 @pytest.mark.parametrize("parts", PARTS, ids=["1-part", "2-parts"])

@@ -67,7 +67,8 @@ def _load(root, uuids: list[str], tokens: list[int]) -> dict[str, torch.Tensor]:
     """What a consumer's scheduler plans and its worker loads for a request with these
     images: the encoder cache by identifier."""
     scheduler, worker = _connectors(root)
-    assert scheduler.is_consumer and not scheduler.is_producer
+    assert scheduler.is_consumer
+    assert not scheduler.is_producer
     assert all(scheduler.has_cache_item(u) for u in uuids)
     assert not scheduler.has_cache_item("never-written")
     request = _request(uuids, tokens)
@@ -120,6 +121,7 @@ def test_consumer_loads_our_entries(produce, tmp_path, dtype):
     offset = 0
     for uuid, count in zip(uuids, tokens, strict=True):
         loaded = encoder_cache[uuid]
-        assert loaded.dtype == features.dtype and loaded.shape == (count, features.shape[1])
+        assert loaded.dtype == features.dtype
+        assert loaded.shape == (count, features.shape[1])
         assert torch.equal(loaded, features[offset : offset + count])
         offset += count

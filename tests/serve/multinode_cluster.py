@@ -31,12 +31,12 @@ from ray import serve
 from ray.cluster_utils import Cluster
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from controlled import Switchboard, controlled_factory  # noqa: E402
-from images import image_bytes  # noqa: E402
-from serve_helpers import app_args, b64, decode_features  # noqa: E402
+from controlled import Switchboard, controlled_factory
+from images import image_bytes
+from serve_helpers import app_args, b64, decode_features
 
-from deployments.app import bind_app  # noqa: E402
-from kimi_encoder.encoder import VisionEncoder  # noqa: E402
+from deployments.app import bind_app
+from kimi_encoder.encoder import VisionEncoder
 
 APP = "multinode"
 

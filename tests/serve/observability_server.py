@@ -17,9 +17,9 @@ import ray
 from ray import serve
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from serve_helpers import app_args  # noqa: E402
+from serve_helpers import app_args
 
-from deployments.app import bind_app  # noqa: E402
+from deployments.app import bind_app
 
 
 def main() -> None:

@@ -108,7 +108,8 @@ def test_aggregated_item_is_split_and_matches_raw_images(url, images, reference)
     split = response.json()
     assert len(split["items"]) == 3
     for got, want in zip(split["items"], raw["items"], strict=True):
-        assert got["grid_thw"] == want["grid_thw"] and got["owner_rank"] == want["owner_rank"]
+        assert got["grid_thw"] == want["grid_thw"]
+        assert got["owner_rank"] == want["owner_rank"]
         np.testing.assert_allclose(decode_features(got), decode_features(want), rtol=0, atol=1e-5)
 
 
@@ -150,8 +151,10 @@ def test_multipart_with_curl(url, images, tmp_path):
 
 def test_info_health_and_docs(url):
     info = requests.get(f"{url}/v1/info", timeout=30).json()
-    assert info["model"] == "preset:tiny" and info["variant"] == "k3"
-    assert info["dp_size"] == 2 and info["text_hidden_size"] == 80
+    assert info["model"] == "preset:tiny"
+    assert info["variant"] == "k3"
+    assert info["dp_size"] == 2
+    assert info["text_hidden_size"] == 80
     assert [r["rank"] for r in info["ranks"]] == [0, 1]
     assert all(r["state"] == "ready" and r["device"] == "cpu" for r in info["ranks"])
     assert requests.get(f"{url}/healthz", timeout=30).json() == {"status": "ok"}

@@ -312,7 +312,8 @@ def test_one_by_one_image_succeeds(url):
     response = encode(url, [{"type": "image", "image": b64(image_bytes("RGB", (1, 1)))}])
     assert response.status_code == 200, response.text
     (item,) = response.json()["items"]
-    assert item["grid_thw"] == [1, 2, 2] and item["shape"] == [1, 80]
+    assert item["grid_thw"] == [1, 2, 2]
+    assert item["shape"] == [1, 80]
 
 
 def animated_gif() -> bytes:

@@ -37,7 +37,8 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
     ranks = {rank_name(r) for r in range(args.dp_size)}
     assert set(built) == {INGRESS_NAME, REGISTRY_NAME, *ranks}
     registry = built.pop(REGISTRY_NAME)
-    assert registry.num_replicas == 1 and registry.ray_actor_options["num_cpus"] == 0
+    assert registry.num_replicas == 1
+    assert registry.ray_actor_options["num_cpus"] == 0
     assert registry._deployment_config.max_ongoing_requests > args.handoff_max_pending
     for name, deployment in built.items():
         is_rank = name != INGRESS_NAME
@@ -53,8 +54,10 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
 def test_k3_8gpu_config():
     app, args, built = load("k3-8gpu.yaml")
     assert (args.dp_size, args.device, args.dtype) == (8, "cuda", "bfloat16")
-    assert args.default_backend == "gpu" and args.rank_actor_options.num_gpus == 1
-    assert not args.checkpoint.startswith(("tiny", "small")) and "/" in args.checkpoint
+    assert args.default_backend == "gpu"
+    assert args.rank_actor_options.num_gpus == 1
+    assert not args.checkpoint.startswith(("tiny", "small"))
+    assert "/" in args.checkpoint
     assert args.ingress_replicas >= 2
     assert_options_come_from_args(app, args, built)
 

@@ -294,7 +294,8 @@ def test_held_part_is_answered_at_the_timeout_with_an_error_frame(settled, board
     assert (body["status"], body["req_id"], body["error"]["type"]) == ("error", "held", "timeout")
     assert "request_timeout_s=3" in body["message"]
     meta, embedding = read_part(frames)
-    assert embedding is None and (meta.error_msg, meta.error_code) == (body["message"], 504)
+    assert embedding is None
+    assert (meta.error_msg, meta.error_code) == (body["message"], 504)
 
 
 @pytest.mark.parametrize(

@@ -131,7 +131,8 @@ def v1_encode(url: str, images: list[bytes]) -> tuple[np.ndarray, list[dict]]:
 def assert_part(meta, embedding, req_id: str, want: np.ndarray, items: list[dict]) -> None:
     """Frame 0 names the part, its grids and original sizes; frame 1 is ``want``."""
     assert (meta.req_id, meta.num_parts, meta.part_idx) == (req_id, 1, 0)
-    assert meta.modality == ("Modality", 1) and meta.error_msg is None
+    assert meta.modality == ("Modality", 1)
+    assert meta.error_msg is None
     assert meta.grid_dim.tolist() == [item["grid_thw"] for item in items]
     assert meta.original_image_sizes == [item["original_size"] for item in items]
     assert meta.shape == list(want.shape)
@@ -263,9 +264,11 @@ def test_failed_part_sends_an_error_frame_and_answers_its_status(url, pull, case
     assert response.status_code == status, response.text
     body = response.json()
     assert (body["status"], body["req_id"]) == ("error", req_id)
-    assert message in body["message"] and body["message"] == body["error"]["message"]
+    assert message in body["message"]
+    assert body["message"] == body["error"]["message"]
     meta, embedding = receive(sock)
-    assert embedding is None and meta.req_id == req_id
+    assert embedding is None
+    assert meta.req_id == req_id
     assert (meta.error_msg, meta.error_code) == (body["message"], status)
 
 
@@ -275,17 +278,20 @@ def test_failed_scheduler_part_reaches_every_registered_rank(url, pull):
     register(url, req_id, addr_a, 2)
     register(url, req_id, addr_b, 2)
     response = post(url, "/encode", part(req_id, [data_url(IMAGES[0])], modality="VIDEO"))
-    assert response.status_code == 400 and MSG_IMAGE_ONLY in response.json()["message"]
+    assert response.status_code == 400
+    assert MSG_IMAGE_ONLY in response.json()["message"]
     for sock in (sock_a, sock_b):
         meta, embedding = receive(sock)
-        assert embedding is None and meta.error_msg == response.json()["message"]
+        assert embedding is None
+        assert meta.error_msg == response.json()["message"]
 
 
 def test_health_and_protocol_versions(url):
     assert requests.get(f"{url}/health", timeout=30).json() == {"status": "ok"}
     handoff = requests.get(f"{url}/v1/info", timeout=30).json()["handoff"]
     assert (handoff["sglang"], handoff["vllm"], handoff["dtype"]) == ("0.5.23", "0.33.0", "float32")
-    assert handoff["vllm_ec"] is True and handoff["image_urls"] is False
+    assert handoff["vllm_ec"] is True
+    assert handoff["image_urls"] is False
 
 
 def test_vllm_ec_files_are_complete_when_answered(url, ec_root):

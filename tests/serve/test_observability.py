@@ -415,15 +415,18 @@ def test_request_id_reaches_every_owner_rank(app, images):
     assert len(summaries) == 1, summaries
     summary = summaries[0]["kimi_encoder_summary"]
     body = response.json()
-    assert summary["outcome"] == "ok" and summary["status"] == 200
-    assert summary["images"] == 3 and summary["patches"] == body["usage"]["patches"]
+    assert summary["outcome"] == "ok"
+    assert summary["status"] == 200
+    assert summary["images"] == 3
+    assert summary["patches"] == body["usage"]["patches"]
     assert summary["owners"] == [item["owner_rank"] for item in body["items"]]
     assert set(summary["stages_ms"]) == {"admission", "gather", "end_to_end"}
     assert {int(r) for r in summary["ranks_ms"]} == owners
     for rank in owners:
         assert set(summary["ranks_ms"][str(rank)]) == set(RANK_STAGES)
         encoded = [r for r in found[f"EncoderRank_{rank}"] if "kimi_encoder_rank" in r]
-        assert len(encoded) == 1 and encoded[0]["kimi_encoder_rank"]["rank"] == rank
+        assert len(encoded) == 1
+        assert encoded[0]["kimi_encoder_rank"]["rank"] == rank
 
 
 def test_generated_request_id_is_returned_and_logged(app):
@@ -455,7 +458,8 @@ def test_generated_request_id_is_returned_and_logged(app):
 
 def test_is_a_dashboard(dashboard):
     assert {"title", "uid", "panels", "templating", "schemaVersion", "time"} <= set(dashboard)
-    assert dashboard["uid"] == "kimi-encoder" and isinstance(dashboard["schemaVersion"], int)
+    assert dashboard["uid"] == "kimi-encoder"
+    assert isinstance(dashboard["schemaVersion"], int)
     ids = [p["id"] for p in panels(dashboard)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in panels(dashboard):
@@ -464,7 +468,8 @@ def test_is_a_dashboard(dashboard):
         assert panel["title"], panel["id"]
         if panel["type"] == "row":
             continue
-        assert panel["type"] == "timeseries" and panel["datasource"]["uid"] == "${datasource}"
+        assert panel["type"] == "timeseries"
+        assert panel["datasource"]["uid"] == "${datasource}"
         refs = [t["refId"] for t in panel["targets"]]
         assert refs and len(refs) == len(set(refs)), panel["title"]
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
@@ -499,4 +504,5 @@ def test_covers_load_latency_throughput_and_errors(dashboard):
         "requests_total",
     ):
         assert f"ray_{PREFIX}{name}" in text, name
-    assert 'outcome!="ok"' in text and "histogram_quantile(0.99" in text
+    assert 'outcome!="ok"' in text
+    assert "histogram_quantile(0.99" in text

@@ -32,7 +32,8 @@ def test_page_is_served_and_self_contained(url):
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/html")
     page = response.text
-    assert "<script>" in page and "<style>" in page
+    assert "<script>" in page
+    assert "<style>" in page
     # Offline: nothing is fetched from another origin (no CDN, no fonts, no src/href URLs).
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", page)
     assert not re.search(r"""\b(import|fetch)\s*\(\s*["']https?://""", page)
@@ -103,6 +104,8 @@ def test_page_in_headless_chromium(url, images, tmp_path):
     assert (canvas["width"], canvas["height"]) == (gw // 2, gh // 2)
     assert canvas["width"] * canvas["height"] == item["num_tokens"]
     assert canvas["colors"] > item["num_tokens"] // 2, canvas
-    assert canvas["shownWidth"] > 50 and canvas["shownHeight"] > 50
-    assert np.prod(item["shape"]) > 0 and screenshot.stat().st_size > 10_000
+    assert canvas["shownWidth"] > 50
+    assert canvas["shownHeight"] > 50
+    assert np.prod(item["shape"]) > 0
+    assert screenshot.stat().st_size > 10_000
     print(f"\nscreenshot: {screenshot}")

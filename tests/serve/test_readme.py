@@ -67,7 +67,8 @@ def test_set_up_commands_are_the_makefile_and_ci_ones():
         "make test",
     ]
     makefile = (ROOT / "Makefile").read_text()
-    assert re.search(r"^serve: ", makefile, re.M) and re.search(r"^test: ", makefile, re.M)
+    assert re.search(r"^serve: ", makefile, re.M)
+    assert re.search(r"^test: ", makefile, re.M)
     assert "make test" in (ROOT / ".ci" / "run").read_text()
 
 
@@ -126,11 +127,13 @@ def expected_json() -> dict:
 def test_quickstart_curl(service):
     curl = substitute(block("bash", "curl -s -F image=@"), {"8000": str(service["port"])})
     shown = run(curl, ROOT)
-    assert shown.startswith("{") and '"model": "preset:tiny"' in shown
+    assert shown.startswith("{")
+    assert '"model": "preset:tiny"' in shown
     want = expected_json()
     full = run(curl.split("|")[0], ROOT)  # the same request, the whole answer
     got = json.loads(full)
-    assert got["model"] == want["model"] and got["usage"] == want["usage"]
+    assert got["model"] == want["model"]
+    assert got["usage"] == want["usage"]
     (item,) = got["items"]
     for key, value in want["items"][0].items():
         if key != "data":
@@ -148,7 +151,8 @@ def test_offline_cli(tmp_path):
     encode = substitute("\n".join(lines), {"/path/to/Kimi-K3": str(checkpoint), ".venv": venv})
     run(encode, tmp_path)
     out = load_file(str(tmp_path / "features.safetensors"))
-    assert out["features.0"].shape[1] == 80 and out["grid_thw.1"].tolist()[0][0] == 1
+    assert out["features.0"].shape[1] == 80
+    assert out["grid_thw.1"].tolist()[0][0] == 1
 
 
 def test_library_snippet(tmp_path, tiny_checkpoint):
@@ -162,11 +166,12 @@ def test_library_snippet(tmp_path, tiny_checkpoint):
     cwd = Path.cwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+        exec(compile(code, "README.md", "exec"), scope)  # the README's own code
     finally:
         os.chdir(cwd)
     features = scope["features"]
-    assert len(features) == 2 and all(f.shape[1] == 80 for f in features)
+    assert len(features) == 2
+    assert all(f.shape[1] == 80 for f in features)
 
 
 def test_client_snippets(service, tmp_path):
@@ -189,8 +194,9 @@ def test_client_snippets(service, tmp_path):
     cwd = Path.cwd()
     os.chdir(tmp_path)
     try:
-        exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own code
+        exec(compile(code, "README.md", "exec"), scope)  # the README's own code
     finally:
         os.chdir(cwd)
-    assert scope["out"].features.shape[1] == 80 and scope["out"].grid_thw[0] == 1
+    assert scope["out"].features.shape[1] == 80
+    assert scope["out"].grid_thw[0] == 1
     shutil.rmtree(tmp_path / "features")

@@ -76,7 +76,8 @@ def test_encode_info_and_load_need_the_key(strict, headers):
 def test_handoff_routes_need_the_key_and_health_stays_open(strict, path):
     """sglang's routes do the same work as /v1/encode; its health probe stays open."""
     response = requests.post(f"{strict}{path}", json={}, timeout=60)
-    assert response.status_code == 401 and response.headers["www-authenticate"] == "Bearer"
+    assert response.status_code == 401
+    assert response.headers["www-authenticate"] == "Bearer"
     assert response.json()["error"]["type"] == "unauthorized", response.text
     assert requests.get(f"{strict}/health", timeout=30).json() == {"status": "ok"}
 

@@ -135,7 +135,8 @@ def test_fitted_cost_model_is_exposed_and_used(cache_url):
     body = info(cache_url)
     for rank in body["ranks"]:
         fit = rank["cost_model"]
-        assert min(fit["a"], fit["b"], fit["c"]) >= 0 and fit["grids"] == [8, 16, 32]
+        assert min(fit["a"], fit["b"], fit["c"]) >= 0
+        assert fit["grids"] == [8, 16, 32]
     sizes = [(700, 520), (300, 200), (200, 150), (90, 60), (60, 40)]
     images = [fresh(10 + i, w, h) for i, (w, h) in enumerate(sizes)]
     response = encode(cache_url, items_of(*images))
@@ -168,7 +169,8 @@ def test_duplicates_in_one_request_are_encoded_once(cache_url):
     body = encode(cache_url, items_of(image, image, image)).json()
     after = ranks(cache_url)
     forwarded = sum(a["forwarded"] - b["forwarded"] for a, b in zip(after, before, strict=True))
-    assert forwarded == 1 and len({item["data"] for item in body["items"]}) == 1
+    assert forwarded == 1
+    assert len({item["data"] for item in body["items"]}) == 1
     assert len({item["owner_rank"] for item in body["items"]}) == 1
 
 
@@ -181,7 +183,8 @@ def test_other_backend_misses_the_cache(cache_url):
     gpu = encode(cache_url, items_of(image), backend="gpu").json()["items"]
     after = ranks(cache_url)
     hits = sum(a["cache_hits"] - b["cache_hits"] for a, b in zip(after, before, strict=True))
-    assert hits == 0 and gpu[0]["grid_thw"] == cpu[0]["grid_thw"]
+    assert hits == 0
+    assert gpu[0]["grid_thw"] == cpu[0]["grid_thw"]
 
 
 def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url, board):
