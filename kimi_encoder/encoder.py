@@ -3,7 +3,10 @@
 ``encode(items)`` plays the role of sglang's Kimi-K3 ``get_image_feature`` on
 the owner rank: it refuses aggregated items, materializes each item's pixels
 with its own backend, checks grids and lengths, and runs the tower and the
-projector over all items in one varlen batch.
+projector over all items packed into one batch (every layer runs once over all
+their patches; attention stays within each image: one ``varlen_attn`` call per
+layer for small images on a GPU, one SDPA call per image otherwise, see
+``model.py``).
 """
 
 from __future__ import annotations
@@ -194,7 +197,7 @@ class VisionEncoder:
     def forward(
         self, pixels: Sequence[torch.Tensor], items: Sequence[EncoderItem]
     ) -> list[torch.Tensor]:
-        """Tower and projector over already materialized items, in one varlen batch."""
+        """Tower and projector over already materialized items, packed into one batch."""
         if not items:
             return []
         grids = [item.grid for item in items]

@@ -434,22 +434,22 @@ class Projector(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         width = cfg.mm_hidden_size * cfg.merge_area
-        bias = cfg.variant == "k25"
-        if bias:
-            self.pre_norm = nn.LayerNorm(cfg.mm_hidden_size, eps=cfg.projector_ln_eps)
+        k25 = cfg.variant == "k25"
+        eps = cfg.projector_ln_eps
+        # Only the variant's norm exists as a module (its keys are the checkpoint's).
+        self.pre_norm = nn.LayerNorm(cfg.mm_hidden_size, eps=eps) if k25 else None
         self.proj = nn.Sequential(
-            nn.Linear(width, width, bias=bias),
+            nn.Linear(width, width, bias=k25),
             nn.GELU(),
-            nn.Linear(width, cfg.text_hidden_size, bias=bias),
+            nn.Linear(width, cfg.text_hidden_size, bias=k25),
         )
-        if not bias:
-            self.post_norm = nn.RMSNorm(cfg.text_hidden_size, eps=cfg.projector_ln_eps)
+        self.post_norm = None if k25 else nn.RMSNorm(cfg.text_hidden_size, eps=eps)
 
     def forward(self, merged: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "pre_norm"):
+        if self.pre_norm is not None:  # K2.5
             merged = self.pre_norm(merged)
         x = self.proj(merged.flatten(1))  # (tokens, kh*kw*hidden) -> (tokens, text_hidden)
-        return self.post_norm(x) if hasattr(self, "post_norm") else x
+        return x if self.post_norm is None else self.post_norm(x)  # K3: RMSNorm
 
 
 class KimiVisionModel(nn.Module):
