@@ -65,6 +65,7 @@ def test_k3_8gpu_config():
 def test_cpu_config_fits_two_cores():
     app, args, built = load("config.yaml")
     assert (args.checkpoint, args.dp_size, args.rank_device) == ("tiny", 2, "cpu")
+    assert args.ingress_replicas >= 2
     assert_options_come_from_args(app, args, built)
     assert all(d.ray_actor_options["num_cpus"] == 0 for d in built.values())
 
