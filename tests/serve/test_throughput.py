@@ -203,3 +203,34 @@ def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url, board)
     # Patch counts alone would put every single-image request on idle rank 0; whichever
     # ingress replica served a small request, it saw the big image outstanding on rank 0.
     assert owners == [0, 1, 1, 1, 1]
+
+
+def test_two_ingress_replicas_balance_concurrent_skewed_requests(two_ingress_url, board):
+    """Twelve requests at once, each one large and two small images, through both ingress
+    replicas, while the ranks hold their work: each replica counts what the other sent
+    from the ranks' load reports, so the ranks end up as balanced as one replica would
+    make them (largest-first to the least loaded, over all the images): within 10%."""
+    sizes = [(700, 520), (90, 60), (60, 40)]
+    requests_ = [[fresh(300 + 3 * r + k, *sizes[k]) for k in range(3)] for r in range(12)]
+    for rank in (0, 1):
+        ray.get(board.set.remote(rank, "hold"))
+    try:
+        with cf.ThreadPoolExecutor(12) as pool:
+            pending = [pool.submit(encode, two_ingress_url, items_of(*r)) for r in requests_]
+            deadline = time.monotonic() + 60
+            while sum(r["outstanding"]["images"] for r in ranks(two_ingress_url)) < 36:
+                assert time.monotonic() < deadline, ranks(two_ingress_url)
+                time.sleep(0.05)
+            loads = [r["outstanding"]["patches"] for r in ranks(two_ingress_url)]
+            for rank in (0, 1):
+                ray.get(board.set.remote(rank, "run"))
+            answers = [f.result() for f in pending]
+    finally:
+        for rank in (0, 1):
+            ray.get(board.set.remote(rank, "run"))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    patches = [int(np.prod(i["grid_thw"])) for a in answers for i in a.json()["items"]]
+    one_replica = assign_owners(patches, 2)
+    best = max(sum(p for p, o in zip(patches, one_replica, strict=True) if o == r) for r in (0, 1))
+    print(f"\nrank loads with two ingress replicas {loads}; one replica's makespan {best}")
+    assert max(loads) <= 1.1 * best
