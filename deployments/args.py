@@ -244,9 +244,10 @@ class AppArgs(BaseModel):
     rank_route_timeout_s: float = Field(
         0.3,
         gt=0,
-        description="Longest a call waits for Serve to route it to a replica of its rank; past "
-        "it the rank counts as unavailable (dead, restarting, full) and the images go to the "
-        "other ranks.",
+        description="How long an encode call may wait for Serve to route it to a replica of "
+        "its rank before the rank counts as slow (dead, restarting, full or starved) and the "
+        "call's images go to the other ranks too, while it goes on routing; also the longest a "
+        "load poll waits to be routed.",
     )
     rank_slow_after_s: float = Field(
         1.0,

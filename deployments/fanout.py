@@ -10,6 +10,12 @@ request, until every image has features or ``request_timeout_s`` is spent. Any
 other error (an undecodable image, an encoder failure) is the answer: it would
 fail again anywhere.
 
+A call that no replica of its rank has taken after ``rank_route_timeout_s`` (a
+``routed`` attribute of the call; calls without one count as routed) is late
+too: the rank may be dead and waiting for its replacement, or the machine may be
+too starved of CPU to route in time. Its images go to the other ranks while it
+goes on routing, so a starved machine answers late rather than not at all.
+
 A call that is late (no answer by ``rank_slow_factor`` x the time the fitted cost
 model expects, and at least ``rank_slow_after_s``) makes its rank *slow*: the
 rank gets no new work, and the call's images are sent again to the other ranks
@@ -172,6 +178,10 @@ class RankHealth:
     def down(self) -> set[int]:
         return {r for r, state in enumerate(self._state) if state.down_until is not None}
 
+    def failed(self) -> set[int]:
+        """Ranks down for failing (not merely for being late or silent)."""
+        return {r for r in self.down() if not self._state[r].slow}
+
     def excluded(self) -> set[int]:
         """Ranks to give no work: every down rank while one is up; when none is up, only
         the failed ones (slow or silent ranks still work, only later than hoped)."""
@@ -193,8 +203,9 @@ class RankHealth:
         self.failures[error.rank] += 1
         was_up = state.down_until is None
         state.down_until = time.monotonic() + self.cooldown_s
-        state.down_at, state.reason, state.failed = time.monotonic(), str(error), error.replica
-        state.slow = error.slow
+        if was_up or state.slow or not error.slow:  # being late says less than failing
+            state.down_at, state.reason, state.failed = time.monotonic(), str(error), error.replica
+            state.slow = error.slow
         if was_up:
             log.warning("%s; its images go to the other ranks until it answers", error)
         probe = self._probes[error.rank]
@@ -270,6 +281,7 @@ class _Flight:
     covers: dict[int, int]
     late_after_s: float
     late_at: float  # time.monotonic()
+    route_late_at: float  # late if no replica has taken it by then
     late: bool = False
     stack: ExitStack = field(default_factory=ExitStack)
 
@@ -287,6 +299,7 @@ class FanOut:
         timeout_s: float,
         slow_after_s: float = 1.0,
         slow_factor: float = 3.0,
+        route_late_s: float = math.inf,
         in_flight: InFlight | None = None,
     ):
         self.ranks = ranks
@@ -296,6 +309,7 @@ class FanOut:
         self.timeout_s = timeout_s
         self.slow_after_s = slow_after_s
         self.slow_factor = slow_factor
+        self.route_late_s = route_late_s
         self.in_flight = in_flight or (lambda _: nullcontext())
         dispatcher.on_silent = self._silent
 
@@ -360,7 +374,16 @@ class FanOut:
             call = self.ranks[rank].encode(
                 [pending[j] for j in idx], group, sent_at, self.dispatcher.caller, dtype
             )
-            flight = _Flight(rank, call, _arrival(call), plan, covers, late_after, now + late_after)
+            flight = _Flight(
+                rank,
+                call,
+                _arrival(call),
+                plan,
+                covers,
+                late_after,
+                now + late_after,
+                now + self.route_late_s,
+            )
             flight.stack.enter_context(self.in_flight({rank: group}))
             flight.stack.enter_context(self.dispatcher.dispatched(plan, rank))
             flights.append(flight)
@@ -370,6 +393,7 @@ class FanOut:
         """Wait for the first call to end or to become late, then act on it."""
         now = time.monotonic()
         timers = [f.late_at for f in flights if not f.late] + [deadline]
+        timers += [f.route_late_at for f in flights if not f.late and not _routed(f)]
         if self._uncovered(gathered, flights):  # every rank is excluded: look again soon
             timers.append(now + RECHECK_S)
         done, _ = await asyncio.wait(
@@ -382,11 +406,9 @@ class FanOut:
             flight.stack.close()
             self._land(flight, gathered)
         filled = [f for f in flights if all(gathered.features[i] is not None for i in f.covers)]
-        down = self.health.down()
+        failed = self.health.failed()
         doomed = [  # still waiting for a replica of a rank that has since failed
-            f
-            for f in flights
-            if f.rank in down and not f.late and getattr(f.call, "replica", None) is None
+            f for f in flights if f.rank in failed and not f.late and not _routed(f)
         ]
         for flight in {id(f): f for f in filled + doomed}.values():
             # another call answered first (a duplicate now), or its rank is gone
@@ -395,8 +417,12 @@ class FanOut:
             flight.stack.close()
         now = time.monotonic()
         for flight in flights:
-            if not flight.late and now >= flight.late_at:
+            if flight.late:
+                continue
+            if now >= flight.late_at:
                 self._late(flight, gathered)
+            elif now >= flight.route_late_at and not _routed(flight):
+                self._late(flight, gathered, unrouted=True)
         if now >= deadline and any(f is None for f in gathered.features):
             raise RequestTimeoutError(self.timeout_s)
 
@@ -425,13 +451,18 @@ class FanOut:
                 gathered.features[index] = result["features"][starts[block] : ends[block]]
                 gathered.owners[index] = rank
 
-    def _late(self, flight: _Flight, gathered: Gathered) -> None:
-        """No answer by the time its load predicts: the rank is slow, the images go again."""
+    def _late(self, flight: _Flight, gathered: Gathered, unrouted: bool = False) -> None:
+        """No answer by the time its load predicts, or no replica took it in time: the
+        rank is slow, the images go again."""
         flight.late = True
+        if unrouted:
+            why = f"no replica took the call within {self.route_late_s:g} s"
+        else:
+            why = f"no answer within {flight.late_after_s:.2f} s, past what its load predicts"
         self.health.mark_down(
             RankUnavailableError(
                 flight.rank,
-                f"no answer within {flight.late_after_s:.2f} s, past what its load predicts",
+                why,
                 replica=getattr(flight.call, "replica", None),
                 started=flight.late_at - flight.late_after_s,
                 slow=True,
@@ -441,7 +472,7 @@ class FanOut:
 
     def _silent(self, rank: int, error: BaseException) -> None:
         """A rank missed its load report: no new work until it answers. Unavailable if the
-        poll reached no replica (dead, restarting), slow if one took it and stayed quiet."""
+        poll failed (the replica died), slow if it was not routed in time or stayed quiet."""
         if rank in self.health.down():
             return
         if isinstance(error, RankUnavailableError):
@@ -450,6 +481,10 @@ class FanOut:
             self.health.mark_down(
                 RankUnavailableError(rank, f"no load report ({error!r})", slow=True)
             )
+
+
+def _routed(flight: _Flight) -> bool:
+    return getattr(flight.call, "routed", True)
 
 
 def _arrival(call: Call) -> asyncio.Task:

@@ -2,12 +2,15 @@
 ``fanout.RankClient`` and ``handoff.RegistryClient``.
 
 The one place that knows Ray's exceptions and Serve's routing. A call first asks
-Serve's router for a replica of the rank (``choose_replica``), within
-``route_timeout_s``: a dead rank's router otherwise holds new calls until a
-replacement has started (seconds on a CPU, minutes with a real checkpoint), so a
-call that finds no replica in time fails as unavailable and its images go to the
-other ranks at once. The chosen replica's id travels with the answer or the
-error, so the ingress knows which process of the rank it heard from.
+Serve's router for a replica of the rank (``choose_replica``). A dead rank's
+router holds new calls until a replacement has started (seconds on a CPU,
+minutes with a real checkpoint); a starved machine routes slowly too, and the
+two look the same from here. So an encode call keeps routing (``routed`` says
+whether a replica took it) and the fan-out hedges its images to the other ranks
+once it has waited ``rank_route_timeout_s``; a load poll gives up after that
+long and says the rank is *slow* (any answer brings it back), never *failed*.
+The chosen replica's id travels with the answer or the error, so the ingress
+knows which process of the rank it heard from.
 
 A call's failure is translated when it is awaited: the errors that mean "not the
 request's fault, send it elsewhere" become ``RankUnavailableError``; an error
@@ -45,11 +48,15 @@ UNAVAILABLE = (
 
 
 class RankCall:
-    """One call to a rank, running as a task from creation: route (bounded), dispatch,
-    await. ``replica`` is the replica that took it (None until routed);
-    ``started`` its ``time.monotonic()`` at creation."""
+    """One call to a rank, running as a task from creation: route, dispatch, await.
+    ``replica`` is the replica that took it (None until routed); ``started`` its
+    ``time.monotonic()`` at creation. With ``route_timeout_s`` a call no replica took
+    in that time fails as a *slow* ``RankUnavailableError``; without, it routes until
+    it is cancelled."""
 
-    def __init__(self, rank: int, handle: DeploymentHandle, route_timeout_s: float, *args, **kw):
+    def __init__(
+        self, rank: int, handle: DeploymentHandle, route_timeout_s: float | None, *args, **kw
+    ):
         self.rank = rank
         self.replica: str | None = None
         self.started = time.monotonic()
@@ -58,18 +65,24 @@ class RankCall:
     def __await__(self) -> Any:
         return self._task.__await__()
 
+    @property
+    def routed(self) -> bool:
+        return self.replica is not None
+
     def cancel(self) -> None:
         """Cancel the call (a no-op once it has finished)."""
         self._task.cancel()
 
-    async def _run(self, handle: DeploymentHandle, timeout_s: float, args, kwargs) -> Any:
+    async def _run(self, handle: DeploymentHandle, timeout_s: float | None, args, kwargs) -> Any:
         chooser = handle.choose_replica(*args, **kwargs)
         try:
             selection = await asyncio.wait_for(chooser.__aenter__(), timeout_s)
         except asyncio.TimeoutError:
+            # Dead, starting, full or starved of CPU: alive until proven otherwise.
             raise self._unavailable(
                 f"no replica took the call within {timeout_s:g} s (the rank died, is "
-                "starting or its queue is full)"
+                "starting, its queue is full or the machine is starved)",
+                slow=True,
             ) from None
         except UNAVAILABLE as exc:
             raise self._unavailable(exc) from exc
@@ -97,12 +110,16 @@ class RankCall:
             exc_info = (type(failure), failure, None) if failure else (None, None, None)
             await chooser.__aexit__(*exc_info)
 
-    def _unavailable(self, cause: BaseException | str) -> RankUnavailableError:
-        return RankUnavailableError(self.rank, cause, replica=self.replica, started=self.started)
+    def _unavailable(self, cause: BaseException | str, slow: bool = False) -> RankUnavailableError:
+        return RankUnavailableError(
+            self.rank, cause, replica=self.replica, started=self.started, slow=slow
+        )
 
 
 class RankHandle:
-    """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``)."""
+    """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``). Encode and info
+    calls route until cancelled (the fan-out hedges an unrouted encode call; the info
+    page bounds its wait); a load poll gives up routing after ``route_timeout_s``."""
 
     def __init__(self, rank: int, handle: DeploymentHandle, route_timeout_s: float):
         self.rank = rank
@@ -118,17 +135,17 @@ class RankHandle:
         feature_dtype: str,
     ) -> RankCall:
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
-        return self._call("encode", indices, items, **kwargs)
+        return self._call("encode", None, indices, items, **kwargs)
 
     def load(self) -> RankCall:
-        return self._call("load")
+        return self._call("load", self.route_timeout_s)
 
     def info(self) -> RankCall:
-        return self._call("info")
+        return self._call("info", None)
 
-    def _call(self, method: str, *args, **kwargs) -> RankCall:
+    def _call(self, method: str, route_timeout_s: float | None, *args, **kwargs) -> RankCall:
         handle = self.handle.options(method_name=method)
-        return RankCall(self.rank, handle, self.route_timeout_s, *args, **kwargs)
+        return RankCall(self.rank, handle, route_timeout_s, *args, **kwargs)
 
 
 class RegistryCall:

@@ -82,6 +82,7 @@ class EncodeServer:
             timeout_s=args.request_timeout_s,
             slow_after_s=args.rank_slow_after_s,
             slow_factor=args.rank_slow_factor,
+            route_late_s=args.rank_route_timeout_s,
             in_flight=self.metrics.dispatched,
         )
         self.handoff = Handoff(

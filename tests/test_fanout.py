@@ -333,3 +333,83 @@ def test_a_silent_rank_gets_no_new_work():
     assert health.down() == {1}
     assert set(gathered.owners) == {0}
     assert not ranks[1].calls
+
+
+class Unrouted(FakeRank):
+    """A rank whose calls no replica takes until ``route`` is set (a dead rank waiting
+    for its replacement, or a machine too starved to route); then they run."""
+
+    def __init__(self, rank: int, route: asyncio.Event):
+        super().__init__(rank, self._wait_for_route)
+        self.route = route
+        self.pending: list[FakeCall] = []
+
+    def encode(self, indices, items, sent_at, caller, feature_dtype) -> FakeCall:
+        call = super().encode(indices, items, sent_at, caller, feature_dtype)
+        call.routed = False
+        self.pending.append(call)
+        return call
+
+    async def _wait_for_route(self, rank, indices, items):
+        await self.route.wait()
+        for call in self.pending:
+            call.routed = True
+
+
+def test_an_unrouted_call_is_hedged_after_the_route_timeout_and_keeps_routing():
+    async def scenario():
+        route = asyncio.Event()
+        ranks = [FakeRank(0), Unrouted(1, route)]
+        fanout, health = fan_out(ranks)
+        fanout.route_late_s = 0.02
+        request = items(6, seed=90)
+        gathered = await fanout.run(request, "float32")
+        return ranks, health, request, gathered
+
+    ranks, health, request, gathered = asyncio.run(scenario())
+    assert_in_order(gathered, request)
+    share = ranks[1].calls[0]
+    assert share
+    assert ranks[0].calls[-1] == share  # its images went to rank 0 while it routed
+    assert ranks[1].cancelled == 1  # the unrouted call was dropped once rank 0 answered
+    assert health.down() == {1}
+    assert "no replica took the call within 0.02 s" in health.info()["down"][1]
+    assert health.failed() == set()  # slow, not failed: it gets work when no rank is up
+
+
+def test_when_no_rank_routes_in_time_the_request_waits_for_routing_not_503():
+    """A machine so starved that no rank routes within the route timeout: every call is
+    late and there is nowhere to hedge, so the calls go on and the request is answered."""
+
+    async def scenario():
+        route = asyncio.Event()
+        ranks = [Unrouted(0, route), Unrouted(1, route)]
+        fanout, health = fan_out(ranks)
+        fanout.route_late_s = 0.01
+        request = items(6, seed=100)
+        task = asyncio.ensure_future(fanout.run(request, "float32"))
+        while health.down() != {0, 1}:  # both calls late: both ranks down as slow
+            await asyncio.sleep(0)
+        route.set()
+        return ranks, request, await task
+
+    ranks, request, gathered = asyncio.run(scenario())
+    assert_in_order(gathered, request)
+    assert [len(r.calls) for r in ranks] == [1, 1]  # nothing re-sent, nothing cancelled
+    assert [r.cancelled for r in ranks] == [0, 0]
+
+
+def test_lateness_does_not_soften_a_failure():
+    """A rank marked down for failing stays failed when a later call of it is merely late
+    (with every rank failed, requests are refused at once instead of waiting on it)."""
+
+    async def scenario():
+        health = RankHealth([FakeRank(0)], cooldown_s=60)
+        health.mark_down(RankUnavailableError(0, ConnectionError("actor died")))
+        health.mark_down(RankUnavailableError(0, "no replica took the call", slow=True))
+        return health
+
+    health = asyncio.run(scenario())
+    assert health.failed() == {0}
+    assert health.excluded() == {0}
+    assert "actor died" in health.info()["down"][0]
