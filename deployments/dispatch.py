@@ -32,7 +32,7 @@ from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderItem
 from kimi_encoder.load import Work, rank_loads
 
-REPORT_TIMEOUT_S = 0.5  # a rank that does not report in time is reported as silent
+REPORT_ANSWER_S = 0.2  # a routed load poll answers within this, or its rank is silent
 REPORT_OUTDATED_S = 1.0  # older than this a report is no view at all: a request waits for one
 HOLDERS_CAPACITY = 1 << 16  # image keys remembered for cache affinity
 
@@ -59,12 +59,15 @@ class Dispatcher:
         report_interval_ms: float,
         affinity_tolerance: float,
         cache_enabled: bool,
+        route_timeout_s: float = 0.3,
     ):
         self.num_ranks = num_ranks
         self.caller = f"ingress-{uuid.uuid4().hex}"
         self.model_name, self.dtype = model_name, dtype
         self.use_fitted = cost_model == "fitted"
         self.report_interval_s = report_interval_ms / 1e3
+        # A poll may wait for routing as long as an encode call may, then must answer.
+        self.report_timeout_s = route_timeout_s + REPORT_ANSWER_S
         self.tolerance = affinity_tolerance
         self.cache_enabled = cache_enabled
         self._own = [Work()] * num_ranks
@@ -98,8 +101,8 @@ class Dispatcher:
 
         A request waits for the poll only when it has no recent view of some rank at all
         (never heard from, or not for ``REPORT_OUTDATED_S``), and then at most
-        ``REPORT_TIMEOUT_S``: a rank that misses it is reported silent and skipped from
-        then on, so a hung rank holds no request. Otherwise the poll runs in the
+        ``report_timeout_s`` (``rank_route_timeout_s`` + 0.2 s): a rank that misses it
+        is reported silent and skipped from then on, so a hung rank holds no request. Otherwise the poll runs in the
         background and the request uses the reports it has. Every encode answer carries
         its rank's report too (``observe``), so a busy rank is rarely polled. Ranks in
         ``skip`` (down) are not.
@@ -115,13 +118,13 @@ class Dispatcher:
         if self._poll is None or self._poll.done():
             self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(ranks, stale))
         if any(now - self._reported_at[r] >= REPORT_OUTDATED_S for r in stale):
-            await asyncio.wait([self._poll], timeout=REPORT_TIMEOUT_S)
+            await asyncio.wait([self._poll], timeout=self.report_timeout_s)
 
     async def _poll_ranks(self, ranks: Sequence[Any], stale: list[int]) -> None:
         async def one(rank: int) -> None:
             call = ranks[rank].load()
             try:
-                report = await asyncio.wait_for(call, REPORT_TIMEOUT_S)
+                report = await asyncio.wait_for(call, self.report_timeout_s)
             except Exception as exc:  # no report: the rank is silent
                 call.cancel()
                 self._reports[rank] = None

@@ -394,7 +394,9 @@ class FanOut:
         now = time.monotonic()
         timers = [f.late_at for f in flights if not f.late] + [deadline]
         timers += [f.route_late_at for f in flights if not f.late and not _routed(f)]
-        if self._uncovered(gathered, flights):  # every rank is excluded: look again soon
+        # Every rank excluded, or a late call still unrouted (its rank may fail meanwhile,
+        # see ``doomed``): look again soon.
+        if self._uncovered(gathered, flights) or any(f.late and not _routed(f) for f in flights):
             timers.append(now + RECHECK_S)
         done, _ = await asyncio.wait(
             [f.task for f in flights],
@@ -407,9 +409,9 @@ class FanOut:
             self._land(flight, gathered)
         filled = [f for f in flights if all(gathered.features[i] is not None for i in f.covers)]
         failed = self.health.failed()
-        doomed = [  # still waiting for a replica of a rank that has since failed
-            f for f in flights if f.rank in failed and not f.late and not _routed(f)
-        ]
+        # Still waiting for a replica of a rank that has since failed (late or not: a late
+        # call that never routed would otherwise hold a request whose ranks are all gone).
+        doomed = [f for f in flights if f.rank in failed and not _routed(f)]
         for flight in {id(f): f for f in filled + doomed}.values():
             # another call answered first (a duplicate now), or its rank is gone
             flights.remove(flight)

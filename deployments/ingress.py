@@ -71,6 +71,7 @@ class EncodeServer:
             report_interval_ms=args.load_report_interval_ms,
             affinity_tolerance=args.cache_affinity_tolerance,
             cache_enabled=args.feature_cache_bytes > 0,
+            route_timeout_s=timeout,
         )
         self.health = RankHealth(self.ranks, args.rank_cooldown_s)
         self.metrics = IngressMetrics(args.dp_size)

@@ -413,3 +413,27 @@ def test_lateness_does_not_soften_a_failure():
     assert health.failed() == {0}
     assert health.excluded() == {0}
     assert "actor died" in health.info()["down"][0]
+
+
+def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
+    """Both ranks' calls wait for a replica past the route timeout (late, nowhere to
+    hedge), then both ranks fail (their replicas died): the calls are dropped and the
+    request is refused with Retry-After instead of waiting for the replacements."""
+
+    async def scenario():
+        route = asyncio.Event()  # never set: the replacements are still starting
+        ranks = [Unrouted(0, route), Unrouted(1, route)]
+        fanout, health = fan_out(ranks)
+        fanout.route_late_s = 0.01
+        task = asyncio.ensure_future(fanout.run(items(4, seed=110), "float32"))
+        while health.down() != {0, 1}:  # both calls late: both ranks down as slow
+            await asyncio.sleep(0)
+        for rank in (0, 1):
+            health.mark_down(RankUnavailableError(rank, ConnectionError("actor died")))
+        with pytest.raises(NoRankAvailableError) as raised:
+            await task
+        return ranks, raised.value
+
+    ranks, error = asyncio.run(scenario())
+    assert [r.cancelled for r in ranks] == [1, 1]
+    assert error.retry_after_s >= 1

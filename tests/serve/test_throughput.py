@@ -84,6 +84,7 @@ def two_ingress_url(apps) -> str:
         cost_model="patches",
         load_report_interval_ms=0,
         rank_slow_after_s=60,  # rank 0 is held on purpose: not hedged
+        rank_route_timeout_s=30,  # nor hedged or silent when a busy machine routes slowly
     )
     return apps("two_ingress", args)
 
