@@ -326,7 +326,8 @@ def test_failed_part_fails_the_request_without_waiting(service, sglang_log, fiel
     )
     output = receive(service, [url], request, len(request.image_data))
     assert output is None
-    assert message in sglang_log.text and TIMED_OUT not in sglang_log.text, sglang_log.text
+    assert message in sglang_log.text, sglang_log.text
+    assert TIMED_OUT not in sglang_log.text, sglang_log.text
 
 
 def info(url: str) -> dict:

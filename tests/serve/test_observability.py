@@ -168,7 +168,8 @@ def instant_query(prometheus: str, expr: str) -> list[dict]:
     """The series ``expr`` evaluates to now, through Prometheus' HTTP API."""
     response = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
     body = response.json()
-    assert body["status"] == "success" and body["data"]["resultType"] == "vector", (expr, body)
+    assert body["status"] == "success", (expr, body)
+    assert body["data"]["resultType"] == "vector", (expr, body)
     return body["data"]["result"]
 
 
@@ -302,7 +303,8 @@ def test_metrics_count_the_traffic(app, images, dashboard):
             for n, lab, v in samples
             if n == f"ray_{PREFIX}batch_images" and lab.get("rank") == rank
         ]
-        assert len(batch) == 1 and batch[0] >= 1, (rank, batch)
+        assert len(batch) == 1, (rank, batch)
+        assert batch[0] >= 1, (rank, batch)
     assert total(samples, f"ray_{PREFIX}images_total") == len(items) == 10
     requests_count = sum(want_outcomes.values())
     for stage, count in (
@@ -320,7 +322,8 @@ def test_metrics_count_the_traffic(app, images, dashboard):
 
     # Every query of the Grafana dashboard names a series the app exports.
     queried = set().union(*(metric_names(expr) for _, _, expr in queries(dashboard)))
-    assert queried and queried <= names, sorted(queried - names)
+    assert queried, "the dashboard queries no series"
+    assert queried <= names, sorted(queried - names)
 
 
 def metric_names(expr: str) -> set[str]:
@@ -464,14 +467,16 @@ def test_is_a_dashboard(dashboard):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in panels(dashboard):
         grid = panel["gridPos"]
-        assert set(grid) == {"h", "w", "x", "y"} and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert set(grid) == {"h", "w", "x", "y"}, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
         assert panel["title"], panel["id"]
         if panel["type"] == "row":
             continue
         assert panel["type"] == "timeseries"
         assert panel["datasource"]["uid"] == "${datasource}"
         refs = [t["refId"] for t in panel["targets"]]
-        assert refs and len(refs) == len(set(refs)), panel["title"]
+        assert refs, panel["title"]
+        assert len(refs) == len(set(refs)), panel["title"]
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
 
 
