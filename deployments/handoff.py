@@ -218,7 +218,8 @@ class Handoff:
     async def write_ec(self, model: str, admitted: Admitted, gathered: Gathered) -> JSONResponse:
         """Output kind ``vllm_ec``: every item's features as an encoder-cache entry under
         ``ec_root``, all written (renamed into place and synced) before the answer."""
-        assert admitted.output is not None and self.ec_root is not None, admitted.output
+        assert admitted.output is not None, "a vllm_ec answer for a request without an output"
+        assert self.ec_root is not None, admitted.output
         uuids = admitted.output.uuids
         entries = await asyncio.to_thread(self._write_entries, uuids, gathered)
         items = [

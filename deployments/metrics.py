@@ -124,7 +124,8 @@ class RequestTrace:
     def timings(self) -> dict[str, float]:
         """The response's ``timings_ms``: admit, encode, rank_R, rank_R_<stage>, gather, total;
         marks the end of ``gather`` (the response body is written by then)."""
-        assert self.admitted_at is not None and self.gathered_at is not None, self
+        assert self.admitted_at is not None, self
+        assert self.gathered_at is not None, self
         now = time.perf_counter()
         self.stages_ms["gather"] = (now - self.gathered_at) * 1e3
         out = {

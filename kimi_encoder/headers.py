@@ -273,9 +273,12 @@ class _GifBlocks:
             flags = self.data[block[0]] if block[1] else 0
             if block[1] < (4 if flags & 1 else 3):
                 raise HeaderError("GIF graphic control extension is shorter than 4 bytes")
-        if label == 0xFF and block is not None:
-            if self.data.startswith(b"NETSCAPE2.0", block[0], block[0] + block[1]):
-                pos, block = self.sub_block(pos)
+        if (
+            label == 0xFF
+            and block is not None
+            and self.data.startswith(b"NETSCAPE2.0", block[0], block[0] + block[1])
+        ):
+            pos, block = self.sub_block(pos)
         while True:
             pos, block = self.sub_block(pos)
             if block is None:

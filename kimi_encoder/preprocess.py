@@ -39,7 +39,9 @@ def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
     The header is read again first, as admission reads it (the format allow-list,
     ``max_pixels`` and the bomb limit, before Pillow sees the bytes); Pillow then
     opens the file only as the format its signature names and must find the
-    header's size before any pixel is decoded.
+    header's size before any pixel is decoded. Pillow's decoders raise no fixed set
+    of types on a broken file (``OSError``, ``SyntaxError``, ``ValueError``,
+    ``EOFError``, ``struct.error``, ...): each is answered as the sender's bad file.
     """
     width, height, fmt = read_image_size(data, max_pixels)
     try:
@@ -48,7 +50,7 @@ def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
         raise LimitExceededError(
             f"image header claims a decompression bomb ({exc}); send a smaller image."
         ) from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the sender's bad file
         raise EncoderInputError(
             f"cannot decode the image ({type(exc).__name__}: {exc}); send a complete, valid file."
         ) from None
@@ -59,7 +61,7 @@ def decode(data: bytes, max_pixels: int | None = None) -> Image.Image:
         )
     try:
         img.load()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any decoder failure is the sender's bad file
         raise EncoderInputError(
             f"cannot decode the image ({type(exc).__name__}: {exc}); send a complete, valid file."
         ) from None

@@ -44,7 +44,8 @@ def vision_shards(root: Path) -> dict[str, list[str]]:
     single = root / SINGLE_FILE
     if single.is_file():
         with safe_open(single, framework="pt") as f:
-            return {SINGLE_FILE: [k for k in f.keys() if k.startswith(VISION_PREFIXES)]}
+            names = f.keys()  # a list: the file handle itself cannot be iterated
+        return {SINGLE_FILE: [k for k in names if k.startswith(VISION_PREFIXES)]}
     raise CheckpointError(
         f"No {INDEX_FILE} or {SINGLE_FILE} in {str(root)!r}; expected an original-format "
         "Kimi checkpoint (safetensors)."

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).parent
-sys.path.insert(0, str(TESTS))  # tests/images.py, serve_helpers.py, controlled.py
+sys.path.insert(0, str(Path(__file__).parent))  # tests/images.py, serve_helpers.py, controlled.py
 
 from images import image_bytes
 
 from kimi_encoder.encoder import VisionEncoder
+
+TESTS = Path(__file__).parent
 
 # Ray, Serve and the deployments are imported by the fixtures that start them: the CUDA
 # tests run on machines without Ray.

@@ -88,7 +88,7 @@ def test_portable_leaves_other_modes_to_pil(mode):
 
 @pytest.mark.parametrize("stage", ["after_resize", "before_resize"])
 @pytest.mark.parametrize("bg", BACKGROUNDS.values(), ids=BACKGROUNDS.keys())
-@pytest.mark.parametrize("mode", ["RGBA", "LA", "P+trns", "PA-palette", "L"])
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "P-trns-index", "P-trns-bytes", "L"])
 def test_gpu_equals_cpu_backgrounds(mode, bg, stage):
     cfg = dataclasses.replace(TINY, transparent_bg_config=bg, transparent_bg_fill_stage=stage)
     cpu, gpu = _both(image_bytes(mode, (500, 300), seed=9), cfg)

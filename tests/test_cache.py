@@ -91,7 +91,7 @@ def test_oversized_value_not_cached_and_values_read_only():
     cache.put("big", np.zeros(1000, dtype=np.float32))
     assert "big" not in cache
     cache.put("small", np.zeros(4, dtype=np.float32))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="assignment destination is read-only"):
         cache.get("small")[0] = 1.0
 
 

@@ -98,7 +98,7 @@ def test_unknown_preset_names_valid_ones():
 
 def test_unknown_dtype():
     with pytest.raises(
-        ValueError, match="Unsupported dtype .float64.; allowed: float32, bfloat16, float16, auto"
+        ValueError, match=r"Unsupported dtype 'float64'; allowed: float32, bfloat16, float16, auto"
     ):
         VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float64")
 

@@ -457,7 +457,7 @@ def test_load_images_inline_and_hash():
 def test_load_images_hash_mismatch():
     wrong = "sha256:" + "0" * 64
     req = EncodeRequest.from_json(encode_body(mm_items=[{"url": DATA_URL, "content_hash": wrong}]))
-    with pytest.raises(EncoderInputError, match="item 0: content_hash sha256:0+ does not match"):
+    with pytest.raises(EncoderInputError, match=r"item 0: content_hash sha256:0+ does not match"):
         load_images(req, FetchPolicy())
 
 

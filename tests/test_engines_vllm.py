@@ -3,6 +3,7 @@
 import json
 import struct
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -58,30 +59,28 @@ def test_no_partial_file_is_ever_visible(tmp_path):
     uuid = "big"
     path = ec_cache_path(tmp_path, uuid)
     versions = [torch.full((4096, 1024), float(i)) for i in range(4)]  # 16 MiB each
-    done, first_read, errors = threading.Event(), threading.Event(), []
+    done, first_read = threading.Event(), threading.Event()
 
     def poll():
-        while not done.is_set():
-            if path.exists():
-                try:
-                    value = load_file(path)[EC_KEY]
-                except Exception as exc:  # a partial file fails to parse
-                    errors.append(exc)
-                    return
-                first_read.set()
-                if not any(torch.equal(value, v) for v in versions):
-                    errors.append(f"file holds a mix: first value {value[0, 0].item()}")
-                    return
+        try:
+            while not done.is_set():
+                if path.exists():
+                    value = load_file(path)[EC_KEY]  # a partial file fails to parse
+                    first_read.set()
+                    assert any(torch.equal(value, v) for v in versions), (
+                        f"file holds a mix: first value {value[0, 0].item()}"
+                    )
+        finally:
+            first_read.set()  # a failed reader does not hold the writer up; its error is below
 
-    reader = threading.Thread(target=poll)
-    reader.start()
-    try:
-        for i, features in enumerate(versions):
-            write_ec_cache(tmp_path, uuid, features)
-            if i == 0:  # the later writes replace a file the reader is reading
-                assert first_read.wait(60), "the reader never found the file"
-    finally:
-        done.set()
-        reader.join()
-    assert errors == []
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(poll)
+        try:
+            for i, features in enumerate(versions):
+                write_ec_cache(tmp_path, uuid, features)
+                if i == 0:  # the later writes replace a file the reader is reading
+                    assert first_read.wait(60), "the reader never found the file"
+        finally:
+            done.set()
+        reader.result()  # raises what the reader met
     assert torch.equal(load_file(path)[EC_KEY], versions[-1])

@@ -200,7 +200,7 @@ def test_timeout_cancels_every_call():
 
     ranks = [FakeRank(0, hang), FakeRank(1, hang)]
     fanout, _ = fan_out(ranks, timeout_s=0.05)
-    with pytest.raises(RequestTimeoutError, match="request_timeout_s=0.05 s"):
+    with pytest.raises(RequestTimeoutError, match=r"request_timeout_s=0\.05 s"):
         asyncio.run(fanout.run(items(4, seed=30), "float32"))
     assert [r.cancelled for r in ranks] == [1, 1]
 

@@ -21,7 +21,7 @@ from images import image_bytes
 
 from deployments.admission import Admission
 from deployments.args import AppArgs
-from deployments.errors import classify
+from deployments.errors import INTERNAL, classify
 from deployments.schemas import EncodeRequest
 from kimi_encoder.config import get_preset
 
@@ -134,7 +134,11 @@ def outcome(body: dict) -> tuple[int, str]:
     try:
         request = EncodeRequest.model_validate_json(json.dumps(body))
         admitted = ADMISSION.admit_json(request)
-    except Exception as exc:  # classified by the server's own table
+    except Exception as exc:
+        # Whatever admission raises goes through the server's error table, as a served
+        # request's would; one without a row (a 500) is a bug, raised with its traceback.
+        if classify(exc) == INTERNAL:
+            raise
         return classify(exc)
     assert len(admitted.items) == len(body["items"]), "one item per image"
     for item in admitted.items:

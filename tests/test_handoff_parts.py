@@ -62,7 +62,7 @@ def test_vllm_ec_output_errors(tmp_path, uuids, fields, match):
 
 
 def test_vllm_ec_output_needs_ec_root():
-    with pytest.raises(OutputNotConfiguredError, match="set args.ec_root to the vLLM consumer"):
+    with pytest.raises(OutputNotConfiguredError, match=r"set args\.ec_root to the vLLM consumer"):
         admission().admit_json(ec_request(["a", "b"]))
 
 

@@ -7,7 +7,6 @@ says what is wrong; mutated files never raise anything else.
 
 from __future__ import annotations
 
-import doctest
 import io
 import struct
 import warnings
@@ -24,12 +23,12 @@ from kimi_encoder.headers import FORMATS, HeaderError, detect_format, header_siz
 
 SIZES = [(1, 1), (37, 23), (2, 301), (517, 3)]
 SAVABLE = {
-    "PNG": ["1", "L", "LA", "P", "P+trns", "PA-palette", "RGB", "RGB+trns", "RGBA", "I;16"],
+    "PNG": ["1", "L", "LA", "P", "P-trns-index", "P-trns-bytes", "RGB", "RGB-trns", "RGBA", "I;16"],
     "JPEG": ["1", "L", "RGB", "CMYK"],
     "WEBP": ["L", "LA", "P", "RGB", "RGBA", "CMYK"],
-    "GIF": ["1", "L", "LA", "P", "P+trns", "RGB", "RGBA", "I;16"],
-    "BMP": ["1", "L", "P", "PA-palette", "RGB", "RGBA"],
-    "TIFF": ["1", "L", "LA", "P", "PA-palette", "RGB", "RGBA", "CMYK", "I;16", "I", "F"],
+    "GIF": ["1", "L", "LA", "P", "P-trns-index", "RGB", "RGBA", "I;16"],
+    "BMP": ["1", "L", "P", "P-trns-bytes", "RGB", "RGBA"],
+    "TIFF": ["1", "L", "LA", "P", "P-trns-bytes", "RGB", "RGBA", "CMYK", "I;16", "I", "F"],
 }
 
 
@@ -441,10 +440,12 @@ def test_mutated_files_give_a_size_or_a_header_error(data):
     assert isinstance(height, int)
     assert width >= 0
     assert height >= 0
+    # Pillow refusing what we read is the rank's 400 (preprocess.decode), not a disagreement;
+    # what Pillow raises on a broken file is no fixed set of types.
     try:
         with Image.open(io.BytesIO(data), formats=[fmt]) as img:
             pillow = img.size
-    except Exception:  # Pillow refusing what we read is the rank's 400, not a disagreement
+    except Exception:  # noqa: BLE001 - every Pillow refusal counts, whatever its type
         return
     assert (width, height) == pillow
 
@@ -462,7 +463,3 @@ def test_random_bytes_behind_a_signature(fmt, tail):
         return
     assert width >= 0
     assert height >= 0
-
-
-def test_docstring_examples():
-    assert doctest.testmod(headers).failed == 0

@@ -84,7 +84,9 @@ def test_forced_varlen_where_it_cannot_run():
         ValueError, match=r"attention 'varlen' needs a CUDA device .* got device 'cpu'"
     ):
         m.choose_attention("varlen", "cpu", BF16, None, _varlen_stand_in)
-    with pytest.raises(ValueError, match="dtype torch.float32, varlen_attn present. Use attention"):
+    with pytest.raises(
+        ValueError, match=r"dtype torch\.float32, varlen_attn present\. Use attention"
+    ):
         m.choose_attention("varlen", "cuda", F32, H200, _varlen_stand_in)
 
 

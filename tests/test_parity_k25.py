@@ -101,7 +101,7 @@ CASES = [
     Case("rgba-150x120", "RGBA", 150, 120, 7, False),
     Case("rgba-large-700x500", "RGBA", 700, 500, 8, False),
     Case("p-300x200", "P", 300, 200, 9, True),
-    Case("p-transparency-640x480", "P+trns", 640, 480, 10, False),
+    Case("p-transparency-640x480", "P-trns-index", 640, 480, 10, False),
     Case("la-64x48", "LA", 64, 48, 11, False),
     Case("cmyk-200x150", "CMYK", 200, 150, 12, True),
     Case("cmyk-large-640x480", "CMYK", 640, 480, 13, False),

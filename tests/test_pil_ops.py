@@ -1,125 +1,20 @@
-"""Bit-exactness of ``kimi_encoder.pil_ops`` against Pillow itself.
-
-Every image is generated from a fixed seed: smooth gradients, noise and hard
-edges for the colour bands, alpha ramps that reach both 0 and 255.
-"""
+"""Bit-exactness of ``kimi_encoder.pil_ops`` against Pillow itself, on the seeded images
+of ``tests/images.py`` in every mode and variant the port covers."""
 
 from __future__ import annotations
 
-import functools
 import platform
 import warnings
 
 import numpy as np
 import pytest
 import torch
+from images import make_image
 from PIL import Image
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kimi_encoder.pil_ops import RawImage, raw_from_pil, resize_bicubic, to_rgb
-
-# ----------------------------------------------------------------------------- images
-
-
-@functools.cache
-def _plane(width: int, height: int, seed: int) -> np.ndarray:
-    """A float image in about [0, 1]: gradients, a disc and a bar with hard edges, noise."""
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
-    fx, fy = x / max(width - 1, 1), y / max(height - 1, 1)
-    angle = rng.uniform(0, 2 * np.pi)
-    value = 0.5 + 0.35 * np.sin(4 * (fx * np.cos(angle) + fy * np.sin(angle)) + angle)
-    disc = (fx - rng.uniform(0.3, 0.7)) ** 2 + (fy - rng.uniform(0.3, 0.7)) ** 2 < 0.06
-    value = np.where(disc, rng.uniform(0, 0.1), value)
-    value = np.where(np.abs(fx - rng.uniform(0.2, 0.8)) < 0.08, 1.0, value)
-    value = value + rng.normal(0, 0.06, size=value.shape)
-    value.flags.writeable = False  # cached: shared between tests
-    return value
-
-
-def _u8(width: int, height: int, seed: int) -> np.ndarray:
-    return np.clip(_plane(width, height, seed) * 255, 0, 255).astype(np.uint8)
-
-
-def _alpha(width: int, height: int, seed: int) -> np.ndarray:
-    """Alpha ramp from fully transparent to opaque, with saturated corners."""
-    ramp = np.linspace(-0.2, 1.2, width)[None, :] * np.ones((height, 1))
-    noisy = ramp + np.random.default_rng(seed).normal(0, 0.05, size=ramp.shape)
-    return np.clip(noisy * 255, 0, 255).astype(np.uint8)
-
-
-def _palette(seed: int, entries: int, channels: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 256, entries * channels).tolist()
-
-
-def _frombytes(mode: str, data: np.ndarray) -> Image.Image:
-    height, width = data.shape[:2]
-    return Image.frombytes(mode, (width, height), np.ascontiguousarray(data).tobytes())
-
-
-def make_image(kind: str, width: int, height: int, seed: int = 0) -> Image.Image:
-    """Build one test image; ``kind`` is a mode, optionally with a variant suffix."""
-    rgb = np.stack([_u8(width, height, seed + c) for c in range(3)], axis=-1)
-    gray, alpha = rgb[..., 0], _alpha(width, height, seed + 7)
-    index = (gray.astype(np.int32) * 251 // 255).astype(np.uint8)  # 0..250 of 200 entries
-    if kind.startswith("1"):
-        img = Image.fromarray(gray > 127)
-        if kind == "1-trns":
-            img.info["transparency"] = 0
-        return img
-    if kind == "L":
-        return Image.fromarray(gray)
-    if kind == "L-trns":
-        img = Image.fromarray(gray)
-        img.info["transparency"] = int(gray.flat[gray.size // 2])
-        return img
-    if kind == "LA":
-        return Image.fromarray(np.stack([gray, alpha], axis=-1))
-    if kind.startswith("P"):
-        if kind == "PA":
-            img = _frombytes("PA", np.stack([index, alpha], axis=-1))
-        else:
-            img = _frombytes("P", index)
-        channels = 4 if "rgba" in kind else 3
-        img.putpalette(_palette(seed, 200, channels), "RGBA" if channels == 4 else "RGB")
-        if "trns-index" in kind:
-            img.info["transparency"] = int(index.flat[index.size // 3])
-        if "trns-bytes" in kind:
-            img.info["transparency"] = bytes(_palette(seed + 1, 180, 1))
-        return img
-    if kind == "RGB":
-        return Image.fromarray(rgb)
-    if kind == "RGB-trns":
-        img = Image.fromarray(rgb)
-        img.info["transparency"] = tuple(int(v) for v in rgb[0, 0])
-        return img
-    if kind == "RGBA":
-        return Image.fromarray(np.concatenate([rgb, alpha[..., None]], axis=-1))
-    if kind == "CMYK":
-        return _frombytes("CMYK", np.concatenate([rgb, 255 - alpha[..., None]], axis=-1))
-    if kind.startswith("I;16"):
-        # Mostly above 255 (clamps to white), with a dark band that stays in range.
-        values = _plane(width, height, seed) * 70000 - 2000
-        values[:, : max(1, width // 4)] /= 200
-        data = np.clip(values, 0, 65535).astype(np.uint16)
-        img = _frombytes("I;16", data)
-        if kind == "I;16-trns":
-            # Pillow compares the low byte with the value clamped to 8 bits.
-            img.info["transparency"] = 0x100 + min(255, int(data[height // 2, 0]))
-        return img
-    if kind.startswith("I"):
-        scale = 2.2e9 if kind == "I-extreme" else 600
-        values = (_plane(width, height, seed) - 0.3) * scale
-        img = _frombytes("I", np.clip(values, -(2**31), 2**31 - 1).astype(np.int32))
-        if kind == "I-trns":
-            img.info["transparency"] = 255  # i2rgb clamps first: every value >= 255 matches
-        return img
-    if kind == "F":
-        values = (_plane(width, height, seed) * 400 - 60).astype(np.float32)
-        return _frombytes("F", values)
-    raise ValueError(kind)
-
 
 KINDS = [
     "1", "1-trns", "L", "L-trns", "LA", "P", "P-trns-index", "P-trns-bytes", "P-rgba",
@@ -223,7 +118,7 @@ def _one_torch_thread():
 
 def test_raw_from_pil_layout():
     for kind in KINDS:
-        img = make_image(kind, 9, 5)
+        img = make_image(kind, (9, 5))
         raw = raw_from_pil(img)
         expected = np.asarray(img)
         assert raw.mode == img.mode
@@ -243,7 +138,7 @@ def test_raw_from_pil_layout():
 @pytest.mark.parametrize("kind", KINDS)
 def test_resize_and_to_rgb_match_pillow(kind: str, resize):
     source, target = resize
-    img = make_image(kind, *source, seed=source[0])
+    img = make_image(kind, source, seed=source[0])
     raw = resize_bicubic(raw_from_pil(img), target)
     resized = img.resize(target, Image.BICUBIC)
     assert raw.mode == resized.mode
@@ -257,7 +152,7 @@ def test_resize_and_to_rgb_match_pillow(kind: str, resize):
     reason="Pillow's int32 overflow result is the x86 conversion's INT_MIN",
 )
 def test_resize_int32_overshoot_matches_pillow():
-    img = make_image("I-extreme", 64, 40, seed=3)
+    img = make_image("I-extreme", (64, 40), seed=3)
     for target in [(97, 61), (23, 17)]:
         got = resize_bicubic(raw_from_pil(img), target).pixels
         assert_same(got, np.asarray(img.resize(target, Image.BICUBIC)), f"I {target}")
@@ -304,13 +199,13 @@ def test_chessboard_geometry():
 
 
 def test_rgb_passes_through_even_with_transparency():
-    img = make_image("RGB-trns", 12, 7)
+    img = make_image("RGB-trns", (12, 7))
     raw = raw_from_pil(img)
     assert to_rgb(raw, {"pattern": "white"}) is raw.pixels
 
 
 def test_invalid_pattern_raises():
-    raw = raw_from_pil(make_image("RGBA", 8, 8))
+    raw = raw_from_pil(make_image("RGBA", (8, 8)))
     with pytest.raises(ValueError, match="Invalid background pattern: stripes"):
         to_rgb(raw, {"pattern": "stripes"})
 
@@ -343,7 +238,7 @@ def test_no_arithmetic_on_uint16_or_bool(kind: str):
     log = _InputDtypes()
     with log:
         for source, target in RESIZES:
-            raw = resize_bicubic(raw_from_pil(make_image(kind, *source, seed=2)), target)
+            raw = resize_bicubic(raw_from_pil(make_image(kind, source, seed=2)), target)
             for bg_config in BACKGROUNDS.values():
                 to_rgb(raw, bg_config)
     assert raw.pixels.dtype == (torch.bool if kind.startswith("1") else torch.uint16)
@@ -364,7 +259,7 @@ def test_unsupported_mode_names_the_supported_ones():
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_matches_pillow(kind: str):
     for source, target in [*RESIZES, BIG_RESIZE]:
-        img = make_image(kind, *source, seed=source[0])
+        img = make_image(kind, source, seed=source[0])
         raw = resize_bicubic(raw_from_pil(img, device="cuda"), target)
         assert raw.pixels.device.type == "cuda"
         resized = img.resize(target, Image.BICUBIC)

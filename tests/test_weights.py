@@ -80,13 +80,13 @@ def test_missing_weights_file(oracle_dir, tmp_path):
     shutil.copy(oracle_dir / "checkpoint" / "config.json", tmp_path / "config.json")
     shutil.copy(oracle_dir / "checkpoint" / "preprocessor_config.json", tmp_path)
     with pytest.raises(
-        CheckpointError, match="No model.safetensors.index.json or model.safetensors"
+        CheckpointError, match=r"No model\.safetensors\.index\.json or model\.safetensors"
     ):
         VisionEncoder.from_pretrained(tmp_path, device="cpu")
 
 
 def test_missing_config(tmp_path):
-    with pytest.raises(FileNotFoundError, match="No config.json in checkpoint directory"):
+    with pytest.raises(FileNotFoundError, match=r"No config\.json in checkpoint directory"):
         VisionEncoder.from_pretrained(tmp_path, device="cpu")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import copyreg
 import hashlib
+import itertools
 import pickle
 import pickletools
 import time
@@ -33,7 +34,6 @@ import torch
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
 from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
-import itertools
 
 SGLANG_VERSION = "0.5.23"
 

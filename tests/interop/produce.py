@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -41,7 +42,6 @@ from kimi_encoder.engines.sglang import (
 from kimi_encoder.engines.transport import ZmqPusher
 from kimi_encoder.engines.vllm import write_ec_cache
 from kimi_encoder.items import plan_image
-import itertools
 
 SIZES = [(100, 37), (64, 64), (300, 20)]  # (width, height), one image each
 HIDDEN = 32

@@ -4,6 +4,7 @@ its CPU tests build it, and what its output must be for our features."""
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 import torch
 from sglang.srt.configs.kimi_k3 import KimiK3Config
@@ -21,7 +22,11 @@ def row_offsets(tokens: list[int]) -> list[int]:
 class _Tokenizer:
     """The checkpoint's tokenizer is not shipped: control tokens get fixed ids, text its bytes."""
 
-    SPECIAL = {"<|media_begin|>": 1, "<|media_content|>": 2, "<|media_end|>": 3}
+    SPECIAL: ClassVar[dict[str, int]] = {
+        "<|media_begin|>": 1,
+        "<|media_content|>": 2,
+        "<|media_end|>": 3,
+    }
     PATTERN = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL) + ")")
 
     def encode(self, text: str, allowed_special=None) -> list[int]:

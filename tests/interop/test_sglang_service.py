@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures as cf
+import functools
 import hashlib
 import logging
 import os
@@ -25,6 +26,7 @@ import signal
 import time
 from array import array
 from collections import Counter
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -151,6 +153,74 @@ def parts_pending(url: str) -> int:
     return requests.get(f"{url}/v1/info", timeout=30).json()["handoff"]["registry"]["parts_pending"]
 
 
+def scheduler_rank(
+    rid: str, url: str, prompt: list[int], assigned, processor, runner
+) -> tuple[MMReceiverHTTP, WaitingZmqRequest, zmq.Context]:
+    """One TP rank: its shared PULL socket and the request waiting on it."""
+    context = zmq.Context()
+    port, sock = get_zmq_socket_on_host(context, zmq.PULL, host="127.0.0.1")
+    receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)
+    receiver.scheduler_recv_socket = sock
+    recv_req = TokenizedGenerateReqInput(
+        rid=rid,
+        input_text=None,
+        input_ids=array("q", prompt),
+        input_embeds=None,
+        mm_inputs=None,
+        token_type_ids=None,
+        sampling_params=SamplingParams(),
+        return_logprob=False,
+        logprob_start_len=-1,
+        top_logprobs_num=0,
+        token_ids_logprob=None,
+        stream=False,
+        num_items_assigned=assigned,
+    )
+    waiting = WaitingZmqRequest(
+        rid=rid,
+        recv_req=recv_req,
+        mm_processor=processor,
+        encoder_urls=[url],
+        model_type="kimi_k3",
+        host_name="127.0.0.1",
+        receive_count=2,
+        zmq_context=context,
+        embedding_port=port,
+        registration_runner=runner,
+    )
+    receiver.waiting_by_rid = {rid: waiting}
+    return receiver, waiting, context
+
+
+def register_two(ranks: list, new_rank: Callable[[], tuple]) -> None:
+    """Adds two scheduler ranks to ``ranks``; each posts /scheduler_receive_url. Returns once
+    both are registered."""
+    for _ in range(2):
+        ranks.append(new_rank())
+    for _, waiting, _ in ranks:
+        waiting.send_encode_request()  # posts /scheduler_receive_url
+    for _, waiting, _ in ranks:
+        waiting.registration_future.result(timeout=60)
+
+
+def wait_part_asks_for_addresses(url: str, pending: int) -> None:
+    deadline = time.monotonic() + 60
+    while parts_pending(url) == pending:  # until the part waits for its addresses
+        assert time.monotonic() < deadline, "the part never asked for its addresses"
+        time.sleep(0.05)
+
+
+def drain(ranks: list, timeout_s: float, sglang_log) -> None:
+    """Each rank takes what reaches its socket until no request is pending."""
+    deadline = time.monotonic() + timeout_s
+    while any(w.status == WaitingMMRequestStatus.PENDING for _, w, _ in ranks):
+        assert time.monotonic() < deadline, sglang_log.text
+        for receiver, waiting, _ in ranks:
+            if receiver.scheduler_recv_socket.poll(100):
+                receiver._drain_scheduler_embeddings()
+            waiting._try_recv_mm_data()
+
+
 @pytest.mark.parametrize("order", ["registered-first", "encode-first"])
 def test_two_scheduler_ranks_get_identical_parts(service, sglang_log, order):
     """zmq_to_scheduler with receive_count 2: the tokenizer dispatches /encode without a
@@ -166,79 +236,26 @@ def test_two_scheduler_ranks_get_identical_parts(service, sglang_log, order):
     processor = kimi_processor()
     pad = processor.mm_tokens.image_token_id
     runner = _ReceiveRegistrationRunner("interop-registration")
-    contexts, ranks = [], []
-
-    def scheduler_rank():
-        """One TP rank: its shared PULL socket and the request waiting on it."""
-        context = zmq.Context()
-        port, sock = get_zmq_socket_on_host(context, zmq.PULL, host="127.0.0.1")
-        receiver = MMReceiverHTTP.__new__(MMReceiverHTTP)
-        receiver.scheduler_recv_socket = sock
-        recv_req = TokenizedGenerateReqInput(
-            rid=rid,
-            input_text=None,
-            input_ids=array("q", prompt_ids(pad, len(images))),
-            input_embeds=None,
-            mm_inputs=None,
-            token_type_ids=None,
-            sampling_params=SamplingParams(),
-            return_logprob=False,
-            logprob_start_len=-1,
-            top_logprobs_num=0,
-            token_ids_logprob=None,
-            stream=False,
-            num_items_assigned=assigned,
-        )
-        waiting = WaitingZmqRequest(
-            rid=rid,
-            recv_req=recv_req,
-            mm_processor=processor,
-            encoder_urls=[url],
-            model_type="kimi_k3",
-            host_name="127.0.0.1",
-            receive_count=2,
-            zmq_context=context,
-            embedding_port=port,
-            registration_runner=runner,
-        )
-        receiver.waiting_by_rid = {rid: waiting}
-        contexts.append(context)
-        return receiver, waiting
-
-    def register_both():
-        ranks.extend(scheduler_rank() for _ in range(2))
-        for _, waiting in ranks:
-            waiting.send_encode_request()  # posts /scheduler_receive_url
-        for _, waiting in ranks:
-            waiting.registration_future.result(timeout=60)
-
-    dispatch_errors = []
+    prompt = prompt_ids(pad, len(images))
+    new_rank = functools.partial(scheduler_rank, rid, url, prompt, assigned, processor, runner)
+    ranks, dispatch_errors = [], []
     try:
         if order == "registered-first":
-            register_both()
+            register_two(ranks, new_rank)
             tokenizer._send_encode_request(obj, on_dispatch_error=dispatch_errors.append).set()
         else:
             pending = parts_pending(url)
             tokenizer._send_encode_request(obj, on_dispatch_error=dispatch_errors.append).set()
-            deadline = time.monotonic() + 60
-            while parts_pending(url) == pending:  # until the part waits for its addresses
-                assert time.monotonic() < deadline, "the part never asked for its addresses"
-                time.sleep(0.05)
-            register_both()
-        deadline = time.monotonic() + 3 * service.request_timeout_s
-        while any(w.status == WaitingMMRequestStatus.PENDING for _, w in ranks):
-            assert time.monotonic() < deadline, sglang_log.text
-            for receiver, waiting in ranks:
-                if receiver.scheduler_recv_socket.poll(100):
-                    receiver._drain_scheduler_embeddings()
-                waiting._try_recv_mm_data()
+            wait_part_asks_for_addresses(url, pending)
+            register_two(ranks, new_rank)
+        drain(ranks, 3 * service.request_timeout_s, sglang_log)
     finally:
-        for context in contexts:
+        for _, _, context in ranks:
             context.destroy(linger=0)
         runner.loop.call_soon_threadsafe(runner.loop.stop)
     assert dispatch_errors == []
     outputs = []
-    for _, waiting in ranks:
+    for _, waiting, _ in ranks:
         assert waiting.status == WaitingMMRequestStatus.SUCCESS, waiting.error_msg
         outputs.append(waiting.recv_req.mm_inputs)
         check_processor_output(waiting.recv_req.mm_inputs, spec, features, pad)
@@ -326,7 +343,8 @@ def test_failed_part_fails_the_request_without_waiting(service, sglang_log, fiel
     )
     output = receive(service, [url], request, len(request.image_data))
     assert output is None
-    assert message in sglang_log.text and TIMED_OUT not in sglang_log.text, sglang_log.text
+    assert message in sglang_log.text, sglang_log.text
+    assert TIMED_OUT not in sglang_log.text, sglang_log.text
 
 
 def info(url: str) -> dict:

@@ -288,7 +288,8 @@ def check_error(response: requests.Response, status: int, fragments: list[str]) 
     assert response.status_code == status, response.text[:500]
     assert response.headers["content-type"] == "application/json"
     body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"type", "message"}, body
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"type", "message"}, body
     message = body["error"]["message"]
     assert all(fragment in message for fragment in fragments), message
 

@@ -84,7 +84,8 @@ def test_200_files_one_corrupt(url, tmp_path):
     assert result.returncode == 1, result.stderr
     assert "\r" not in result.stderr, "no progress bar when stderr is not a terminal"
     failed = result.stderr.split("failed (1):", 1)[1].strip().splitlines()
-    assert len(failed) == 1 and failed[0].startswith(f"{corrupt}: item "), failed
+    assert len(failed) == 1, failed
+    assert failed[0].startswith(f"{corrupt}: item "), failed
     assert "cannot read the image header" in failed[0]
     # Each distinct good image was encoded exactly once: the copy and the corrupt file's
     # batch neighbours were not sent again (the corrupt file never reached a rank).

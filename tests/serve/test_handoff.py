@@ -110,7 +110,8 @@ def post(url: str, path: str, body: dict) -> requests.Response:
 def register(url: str, req_id: str, address: str, count: int) -> None:
     body = {"req_id": req_id, "receive_count": count, "receive_url": address, "modality": "IMAGE"}
     response = post(url, "/scheduler_receive_url", body)
-    assert response.status_code == 200 and response.json() is None, response.text
+    assert response.status_code == 200, response.text
+    assert response.json() is None, response.text
 
 
 def receive(sock: zmq.Socket):
@@ -149,7 +150,8 @@ def test_tokenizer_part_is_v1_encode_features_split_across_ranks(url, pull):
     before = rank_calls(url)
     body = part("tok_local_part_0", [data_url(b) for b in IMAGES], address)
     response = post(url, "/encode", body)
-    assert response.status_code == 200 and response.json() is None, response.text
+    assert response.status_code == 200, response.text
+    assert response.json() is None, response.text
     calls = [after - b for after, b in zip(rank_calls(url), before, strict=True)]
     assert all(count >= 1 for count in calls), calls  # the part's images went to both ranks
     assert_part(*receive(sock), "tok_local_part_0", want, items)

@@ -168,7 +168,8 @@ def instant_query(prometheus: str, expr: str) -> list[dict]:
     """The series ``expr`` evaluates to now, through Prometheus' HTTP API."""
     response = requests.get(f"{prometheus}/api/v1/query", params={"query": expr}, timeout=30)
     body = response.json()
-    assert body["status"] == "success" and body["data"]["resultType"] == "vector", (expr, body)
+    assert body["status"] == "success", (expr, body)
+    assert body["data"]["resultType"] == "vector", (expr, body)
     return body["data"]["result"]
 
 
@@ -232,24 +233,28 @@ def image_items(images: list[bytes]) -> list[dict]:
     return [{"type": "image", "image": b64(b)} for b in images]
 
 
-def test_metrics_count_the_traffic(app, images, dashboard):
-    url = app["url"]
-    ok_bodies = []
-    for chunk in (images[:3], images[3:5], images[5:9]):
-        response = encode(url, image_items(chunk))
+def send_accepted(url: str, images: list[bytes]) -> list[dict]:
+    """Three JSON requests and one upload, each answered 200: their bodies."""
+    bodies = []
+    for part in (images[:3], images[3:5], images[5:9]):
+        response = encode(url, image_items(part))
         assert response.status_code == 200, response.text
-        ok_bodies.append(response.json())
+        bodies.append(response.json())
     upload = requests.post(f"{url}/v1/encode", files=[("image", ("a.png", images[0]))], timeout=120)
     assert upload.status_code == 200, upload.text
-    ok_bodies.append(upload.json())
-    bad = [  # (body, content type or None for JSON, outcome)
+    return [*bodies, upload.json()]
+
+
+def send_refused(url: str, images: list[bytes]) -> Counter:
+    """Five requests the app refuses, each checked for its error type: the count of each."""
+    refused = [  # (body, content type or None for JSON, outcome)
         ({"items": [{"type": "video", "video": "x"}]}, None, "invalid_request"),
         ({"items": [{"type": "image", "image": "%%%"}]}, None, "invalid_request"),
         ({"items": image_items([images[2]] * 11)}, None, "limit_exceeded"),
         ({"items": []}, None, "validation_error"),
         (b"hello", "text/plain", "unsupported_media_type"),
     ]
-    for body, kind, outcome in bad:
+    for body, kind, outcome in refused:
         if kind is None:
             response = requests.post(f"{url}/v1/encode", json=body, timeout=60)
         else:
@@ -257,21 +262,53 @@ def test_metrics_count_the_traffic(app, images, dashboard):
                 f"{url}/v1/encode", data=body, headers={"content-type": kind}, timeout=60
             )
         assert response.json()["error"]["type"] == outcome, response.text
+    return Counter(outcome for _, _, outcome in refused)
 
-    items = [item for body in ok_bodies for item in body["items"]]
-    want_outcomes = Counter({"ok": len(ok_bodies)}) + Counter(b[2] for b in bad)
-    want_images = Counter(str(i["owner_rank"]) for i in items)
-    want_patches, want_tokens, want_calls = Counter(), Counter(), Counter()
-    for body in ok_bodies:
+
+def rank_counts(bodies: list[dict]) -> dict[str, Counter]:
+    """Per rank label ("0", "1"): the images, patches and tokens ``bodies`` say it encoded,
+    and its calls (one per request it owns an image of)."""
+    want = {kind: Counter() for kind in ("images", "patches", "tokens", "calls")}
+    for body in bodies:
         for rank in {str(i["owner_rank"]) for i in body["items"]}:
-            want_calls[rank] += 1
+            want["calls"][rank] += 1
         for item in body["items"]:
-            want_patches[str(item["owner_rank"])] += int(np.prod(item["grid_thw"]))
-            want_tokens[str(item["owner_rank"])] += item["num_tokens"]
-    assert set(want_images) == {"0", "1"}, "the traffic must reach both ranks"
+            rank = str(item["owner_rank"])
+            want["images"][rank] += 1
+            want["patches"][rank] += int(np.prod(item["grid_thw"]))
+            want["tokens"][rank] += item["num_tokens"]
+    return want
+
+
+def rank_series(samples, name: str, rank: str) -> list[float]:
+    return [v for n, lab, v in samples if n == name and lab.get("rank") == rank]
+
+
+def assert_rank_counted(samples, rank: str, want: dict[str, Counter]) -> None:
+    """``rank``'s counters and stage counts equal ``want``; nothing of it is in flight."""
+    for kind in ("images", "patches", "tokens"):
+        assert total(samples, f"ray_{PREFIX}{kind}_total", rank=rank) == want[kind][rank], kind
+    calls = want["calls"][rank]
+    for stage in RANK_STAGES:  # one observation per call of that rank
+        assert total(samples, STAGE_COUNT, stage=stage, rank=rank) == calls, (stage, rank)
+    assert total(samples, STAGE_COUNT, stage="preprocess", rank=rank, backend="cpu") == calls
+    for gauge in ("inflight_patches", "inflight_bytes"):  # nothing in flight now
+        series = rank_series(samples, f"ray_{PREFIX}{gauge}", rank)
+        assert series == [0.0], (gauge, rank, series)
+    batch = rank_series(samples, f"ray_{PREFIX}batch_images", rank)
+    assert len(batch) == 1, (rank, batch)
+    assert batch[0] >= 1, (rank, batch)
+
+
+def test_metrics_count_the_traffic(app, images, dashboard):
+    accepted = send_accepted(app["url"], images)
+    want_outcomes = Counter({"ok": len(accepted)}) + send_refused(app["url"], images)
+    requests_count = sum(want_outcomes.values())
+    want = rank_counts(accepted)
+    assert set(want["images"]) == {"0", "1"}, "the traffic must reach both ranks"
 
     started = time.monotonic()
-    samples = exported(app["metrics_url"], sum(want_outcomes.values()), sum(want_calls.values()))
+    samples = exported(app["metrics_url"], requests_count, sum(want["calls"].values()))
     print(f"\nmetrics visible {time.monotonic() - started:.1f} s after the traffic")
 
     names = {n for n, _, _ in samples}
@@ -280,34 +317,11 @@ def test_metrics_count_the_traffic(app, images, dashboard):
     for outcome, count in want_outcomes.items():
         assert total(samples, REQUESTS, outcome=outcome) == count, outcome
     for rank in ("0", "1"):
-        assert total(samples, f"ray_{PREFIX}images_total", rank=rank) == want_images[rank]
-        assert total(samples, f"ray_{PREFIX}patches_total", rank=rank) == want_patches[rank]
-        assert total(samples, f"ray_{PREFIX}tokens_total", rank=rank) == want_tokens[rank]
-        for stage in RANK_STAGES:  # one observation per call of that rank
-            count = total(samples, STAGE_COUNT, stage=stage, rank=rank)
-            assert count == want_calls[rank], (stage, rank)
-        assert (
-            total(samples, STAGE_COUNT, stage="preprocess", rank=rank, backend="cpu")
-            == want_calls[rank]
-        )
-        for gauge in ("inflight_patches", "inflight_bytes"):  # nothing in flight now
-            series = [
-                v
-                for n, lab, v in samples
-                if n == f"ray_{PREFIX}{gauge}" and lab.get("rank") == rank
-            ]
-            assert series == [0.0], (gauge, rank, series)
-        batch = [
-            v
-            for n, lab, v in samples
-            if n == f"ray_{PREFIX}batch_images" and lab.get("rank") == rank
-        ]
-        assert len(batch) == 1 and batch[0] >= 1, (rank, batch)
-    assert total(samples, f"ray_{PREFIX}images_total") == len(items) == 10
-    requests_count = sum(want_outcomes.values())
+        assert_rank_counted(samples, rank, want)
+    assert total(samples, f"ray_{PREFIX}images_total") == sum(want["images"].values()) == 10
     for stage, count in (
-        ("admission", len(ok_bodies)),
-        ("gather", len(ok_bodies)),
+        ("admission", len(accepted)),
+        ("gather", len(accepted)),
         ("end_to_end", requests_count),
     ):
         assert total(samples, STAGE_COUNT, stage=stage, rank=INGRESS_RANK) == count, stage
@@ -320,7 +334,8 @@ def test_metrics_count_the_traffic(app, images, dashboard):
 
     # Every query of the Grafana dashboard names a series the app exports.
     queried = set().union(*(metric_names(expr) for _, _, expr in queries(dashboard)))
-    assert queried and queried <= names, sorted(queried - names)
+    assert queried, "the dashboard queries no series"
+    assert queried <= names, sorted(queried - names)
 
 
 def metric_names(expr: str) -> set[str]:
@@ -464,14 +479,16 @@ def test_is_a_dashboard(dashboard):
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in panels(dashboard):
         grid = panel["gridPos"]
-        assert set(grid) == {"h", "w", "x", "y"} and grid["x"] + grid["w"] <= 24, panel["title"]
+        assert set(grid) == {"h", "w", "x", "y"}, panel["title"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
         assert panel["title"], panel["id"]
         if panel["type"] == "row":
             continue
         assert panel["type"] == "timeseries"
         assert panel["datasource"]["uid"] == "${datasource}"
         refs = [t["refId"] for t in panel["targets"]]
-        assert refs and len(refs) == len(set(refs)), panel["title"]
+        assert refs, panel["title"]
+        assert len(refs) == len(set(refs)), panel["title"]
         assert all(t["datasource"]["uid"] == "${datasource}" for t in panel["targets"])
 
 
