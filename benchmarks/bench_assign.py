@@ -81,7 +81,7 @@ def size_costs(enc: VisionEncoder, sizes: set[int], repeats: int) -> dict[int, f
     """Measured seconds of one forward of a square image of each patch count."""
     out = {}
     for p in sorted(sizes):
-        side = int(round(p**0.5))
+        side = round(p**0.5)
         enc.time_forward(side)  # warm-up
         runs = []
         for _ in range(repeats):

@@ -69,7 +69,7 @@ def image(width: int, height: int, seed: int) -> bytes:
 
 def side_for_patches(patches: int, patch: int = 14) -> int:
     """Pixel side of a square image whose grid has about ``patches`` patches."""
-    return int(round(patches**0.5)) * patch
+    return round(patches**0.5) * patch
 
 
 def table(header: list[str], rows: list[list]) -> str:

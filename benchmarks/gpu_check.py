@@ -377,7 +377,8 @@ def preflight_varlen() -> dict:
         q, k, v = _random_qkv(lengths, torch.device("cuda"))
         out = model_lib.attend(q, k, v, _segments(lengths, torch.device("cuda"), "varlen"))
         torch.cuda.synchronize()
-        assert out.shape == q.shape and torch.isfinite(out.float()).all(), "bad varlen output"
+        assert out.shape == q.shape, f"varlen output shape {tuple(out.shape)}"
+        assert torch.isfinite(out.float()).all(), "varlen output not finite"
         return {"varlen": "ok", "attention": "auto"}
     except Exception as exc:  # noqa: BLE001 - reported; the sections fall back to SDPA
         return {"varlen": f"failed: {type(exc).__name__}: {exc}", "attention": "sdpa"}
@@ -1203,7 +1204,7 @@ def markdown(data: dict) -> str:
         lines += _tables(rows)
         for key, value in results.items():
             if isinstance(value, dict) and _nested(value):
-                lines += ["", f"{key}:"] + _tables({k: _flat(v) for k, v in value.items()})
+                lines += ["", f"{key}:", *_tables({k: _flat(v) for k, v in value.items()})]
         if section.get("error"):
             lines += ["", "```", section["error"], "```"]
         lines.append("")

@@ -306,7 +306,7 @@ class RankBatcher:
                 on_device, done = await loop.run_in_executor(
                     self._executor, self._device_stage, batch, hosts, timing
                 )
-            except Exception as exc:  # the whole batch failed (e.g. out of memory)
+            except Exception as exc:  # noqa: BLE001 - the whole batch failed (e.g. out of memory)
                 self._finish(batch, [exc] * len(batch))
                 continue
             # The copy to the host runs on its own thread (and CUDA stream) while the next
@@ -319,7 +319,7 @@ class RankBatcher:
     async def _deliver(self, batch: list[_Queued], copy: asyncio.Future) -> None:
         try:
             results = await copy
-        except Exception as exc:  # the copy failed: every image of the batch
+        except Exception as exc:  # noqa: BLE001 - the copy failed: every image of the batch
             results = [exc] * len(batch)
         self._finish(batch, results)
 
@@ -365,7 +365,7 @@ class RankBatcher:
             try:
                 pixels.append(self.encoder.materialize([q.item], [prepared])[0])
                 good.append(i)
-            except Exception as exc:  # one bad image fails only its own call
+            except Exception as exc:  # noqa: BLE001 - one bad image fails only its own call
                 results[i] = exc
         self.counters.preprocessed += len(batch)
         clock.mark()

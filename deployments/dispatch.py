@@ -102,10 +102,10 @@ class Dispatcher:
         A request waits for the poll only when it has no recent view of some rank at all
         (never heard from, or not for ``REPORT_OUTDATED_S``), and then at most
         ``report_timeout_s`` (``rank_route_timeout_s`` + 0.2 s): a rank that misses it
-        is reported silent and skipped from then on, so a hung rank holds no request. Otherwise the poll runs in the
-        background and the request uses the reports it has. Every encode answer carries
-        its rank's report too (``observe``), so a busy rank is rarely polled. Ranks in
-        ``skip`` (down) are not.
+        is reported silent and skipped from then on, so a hung rank holds no request.
+        Otherwise the poll runs in the background and the request uses the reports it
+        has. Every encode answer carries its rank's report too (``observe``), so a busy
+        rank is rarely polled. Ranks in ``skip`` (down) are not.
         """
         now = time.monotonic()
         stale = [
@@ -125,7 +125,7 @@ class Dispatcher:
             call = ranks[rank].load()
             try:
                 report = await asyncio.wait_for(call, self.report_timeout_s)
-            except Exception as exc:  # no report: the rank is silent
+            except Exception as exc:  # noqa: BLE001 - no report: the rank is silent
                 call.cancel()
                 self._reports[rank] = None
                 self._reported_at[rank] = time.monotonic()

@@ -238,7 +238,7 @@ class RankHealth:
             call = self.ranks[rank].load()
             try:
                 await asyncio.wait_for(call, PROBE_TIMEOUT_S)
-            except Exception:  # still down: another cool-down
+            except Exception:  # noqa: BLE001 - still down: another cool-down
                 call.cancel()
                 if state.down_until is not None:
                     state.down_until = time.monotonic() + self.cooldown_s

@@ -147,7 +147,7 @@ class Handoff:
         call = self.registry.info()
         try:
             registry = await asyncio.wait_for(_await(call), INFO_TIMEOUT_S)
-        except Exception as exc:  # a sick registry is reported, not raised
+        except Exception as exc:  # noqa: BLE001 - a sick registry is reported, not raised
             call.cancel()
             registry = {"state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}
         return {
@@ -204,7 +204,7 @@ class Handoff:
                 try:
                     await arrival
                     return
-                except Exception:  # that rank is down: ask the others
+                except Exception:  # noqa: BLE001 - that rank is down: ask the others
                     continue
         except asyncio.TimeoutError:
             pass
@@ -281,7 +281,7 @@ class Handoff:
         try:
             sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
             await _within(sending, deadline, self.args.request_timeout_s)
-        except Exception as push_error:  # the HTTP answer still reports it
+        except Exception as push_error:  # noqa: BLE001 - the HTTP answer still reports it
             log.warning(
                 "part %s failed (%s) and its error frame was not delivered: %s",
                 req.req_id,

@@ -165,7 +165,7 @@ class EncodeServer:
         call = rank.info()
         try:
             return await asyncio.wait_for(call, RANK_INFO_TIMEOUT_S)
-        except Exception as exc:  # a sick rank is reported, not raised
+        except Exception as exc:  # noqa: BLE001 - a sick rank is reported, not raised
             call.cancel()
             error = f"{type(exc).__name__}: {exc}"
             return {"rank": rank.rank, "state": "unavailable", "error": error}
