@@ -114,12 +114,20 @@ class Http:
         self._local = threading.local()
 
     def post(self, path: str, body: bytes, content_type: str) -> tuple[bytes, dict[str, str]]:
-        """The response body and headers of a 200; ``HttpError`` for any other status."""
+        """The response body and headers of a 200; ``HttpError`` for any other status. A
+        kept-alive connection the server has closed meanwhile is opened again, once."""
         conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = http.client.HTTPConnection(
-                self.host, self.port, timeout=self.timeout_s
-            )
+        if conn is not None:
+            try:
+                return self._post(conn, path, body, content_type)
+            except (BrokenPipeError, ConnectionResetError, http.client.RemoteDisconnected):
+                pass  # idle too long: the server closed it
+        conn = self._local.conn = http.client.HTTPConnection(
+            self.host, self.port, timeout=self.timeout_s
+        )
+        return self._post(conn, path, body, content_type)
+
+    def _post(self, conn, path: str, body: bytes, content_type: str):
         try:
             conn.request("POST", path, body=body, headers={"Content-Type": content_type})
             response = conn.getresponse()
