@@ -55,6 +55,7 @@ class Settings:
     zipf_draws: int
     latency_fractions: tuple[float, ...]
     latency_window_s: float
+    split_presets: tuple[str, ...] = ("tiny",)  # also run dp 1 with LARGE images per request
 
     @classmethod
     def of(cls, quick: bool) -> Settings:
@@ -76,12 +77,13 @@ class Settings:
         return self.presets[-1]
 
 
-def request_stream(count: int, seed: int = 0) -> list[list[bytes]]:
-    """``count`` requests of PER_REQUEST distinct images cycling through MIX."""
+def request_stream(count: int, per_request: int = PER_REQUEST) -> list[list[bytes]]:
+    """``count`` requests of ``per_request`` distinct images cycling through MIX (the same
+    images, in the same order, whatever ``per_request``)."""
     return [
         [
-            image(*MIX[(r * PER_REQUEST + i) % len(MIX)], seed=seed + r * PER_REQUEST + i)
-            for i in range(PER_REQUEST)
+            image(*MIX[(r * per_request + i) % len(MIX)], seed=r * per_request + i)
+            for i in range(per_request)
         ]
         for r in range(count)
     ]
@@ -117,6 +119,9 @@ class Encode:
 # --- the throughput experiment --------------------------------------------------------
 
 SETUPS = ("direct 1", "served dp 1", "served dp 2", "direct 2")
+# Served dp 1 with more images per request, to split CPU into per request and per image.
+LARGE = 8
+BATCHED = f"served dp 1, {LARGE} per request"
 
 
 @dataclass
@@ -154,6 +159,9 @@ def measure_preset(cluster: Cluster, client: Http, preset: str, s: Settings) -> 
             SETUPS[2]: served(2),
             SETUPS[3]: lambda: direct.run(2, window),
         }
+        if preset in s.split_presets:
+            large = Encode(client, f"/{apps[1]}", request_stream(24 * PER_REQUEST // LARGE, LARGE))
+            setups[BATCHED] = lambda: closed_loop(large.send, CLIENTS, window, direct.labels)
         windows = alternate(setups, s.repeats)
     return PresetRun(preset, apps, windows)
 
@@ -380,6 +388,9 @@ def cpu_section(runs: list[PresetRun], s: Settings) -> Section:
             f"**{run.preset}** (one encoder process: {direct:.1f} ms per image)",
             table(["process", "dp 1: CPU-ms per image", "dp 2: CPU-ms per image"], rows),
         ]
+    for run in runs:
+        if BATCHED in run.windows:
+            parts += split_per_request(run)
     parts.append(
         "CPU time (user + system) of each process over each served window, divided by "
         "the images the app answered in it (a rank of dp 2 encodes about half of them); "
@@ -388,6 +399,36 @@ def cpu_section(runs: list[PresetRun], s: Settings) -> Section:
         "costs per image on top of the encoder; a GPU deployment pays it on its CPUs."
     )
     return Section("Where the CPU goes", COMMAND.format(part="throughput"), parts)
+
+
+def split_per_request(run: PresetRun) -> list[str]:
+    """Each process's CPU as a cost per request plus a cost per image, from served dp 1
+    with PER_REQUEST and with LARGE images per request (c(k) = per image + per request / k)."""
+    small = cpu_ms(run.windows[SETUPS[1]], run.apps[1])
+    large = cpu_ms(run.windows[BATCHED], run.apps[1])
+    rows = []
+    for name in sorted((set(small) | set(large)) - {OUTSIDE}, key=_order):
+        c_small = small[name].median if name in small else 0.0
+        c_large = large[name].median if name in large else 0.0
+        per_request = (c_small - c_large) / (1 / PER_REQUEST - 1 / LARGE)
+        per_image = c_large - per_request / LARGE
+        rows.append(
+            [name, f"{c_small:.1f}", f"{c_large:.1f}", f"{per_request:.1f}", f"{per_image:.1f}"]
+        )
+    served = run.ratio(BATCHED, SETUPS[0])
+    header = [
+        "process",
+        f"CPU-ms per image, {PER_REQUEST} per request",
+        f"{LARGE} per request",
+        "fitted: CPU-ms per request",
+        "+ CPU-ms per image",
+    ]
+    return [
+        f"**{run.preset}, served dp 1: per request and per image.** The same images sent "
+        f"{LARGE} per request (alternating with the runs above; served / in-process "
+        f"{served.fmt(2)}).",
+        table(header, rows),
+    ]
 
 
 def _order(name: str) -> tuple[int, str]:
