@@ -415,10 +415,10 @@ def throughput_section(m: Measured, s: Settings) -> Section:
     ratio_header = [
         "cache",
         "ingress",
-        "bf16 / f32 images/s (JSON)",
-        "(safetensors)",
-        "JSON / safetensors (f32)",
-        "(bf16)",
+        "bf16 / f32 images/s, JSON",
+        "bf16 / f32, safetensors",
+        "JSON / safetensors, f32",
+        "JSON / safetensors, bf16",
     ]
     return Section(
         f"Feature bytes at K3 width {s.width}",

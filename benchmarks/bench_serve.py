@@ -60,16 +60,25 @@ class Settings:
     @classmethod
     def of(cls, quick: bool) -> Settings:
         if quick:
-            return cls(("tiny",), 3, {"tiny": 3.0}, "tiny", 4, 60, (0.2, 0.5, 0.8, 1.0, 1.3), 4.0)
+            return cls(
+                presets=("tiny",),
+                repeats=3,
+                window_s={"tiny": 3.0},
+                cache_preset="tiny",
+                cache_images=4,
+                zipf_draws=60,
+                latency_fractions=(0.2, 0.5, 0.8, 1.0, 1.3),
+                latency_window_s=4.0,
+            )
         return cls(
-            ("tiny", "small"),
-            5,
-            {"tiny": 6.0, "small": 12.0},
-            "small",
-            8,
-            200,
-            (0.1, 0.3, 0.5, 0.7, 0.9, 1.1, 1.4),
-            10.0,
+            presets=("tiny", "small"),
+            repeats=5,
+            window_s={"tiny": 6.0, "small": 10.0},
+            cache_preset="small",
+            cache_images=8,
+            zipf_draws=200,
+            latency_fractions=(0.1, 0.3, 0.5, 0.7, 0.9, 1.1, 1.4),
+            latency_window_s=8.0,
         )
 
     @property

@@ -94,10 +94,12 @@ def sections(quick: bool) -> list[Section]:
         for name, fn in PATHS.items()
     ]
     names = list(PATHS)
-    speedups = (
-        f"wire.py over the straightforward path: JSON "
-        f"**{ratio(per_mb[names[0]], per_mb[names[1]]).fmt(2, 'x')}**, safetensors "
-        f"**{ratio(per_mb[names[2]], per_mb[names[3]]).fmt(2, 'x')}** faster."
+    speedups = table(
+        ["answer", "wire.py speed-up over the straightforward path"],
+        [
+            ["JSON", f"**{ratio(per_mb[names[0]], per_mb[names[1]]).fmt(2, 'x')}**"],
+            ["safetensors", f"**{ratio(per_mb[names[2]], per_mb[names[3]]).fmt(2, 'x')}**"],
+        ],
     )
     note = (
         f"{len(arrays)} read-only float32 arrays of K3's width 7168, {payload / 2**20:.0f} MB "

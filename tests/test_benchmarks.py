@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from benchmarks import bench_assign, bench_bytes, bench_serve, common, cpu, serving
+from benchmarks import bench_assign, bench_bytes, bench_serve, common, compare, cpu, serving
 from deployments.wire import json_body, safetensors_body
 from kimi_encoder.assign import makespan
 
@@ -256,3 +256,24 @@ def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
     assert w.images_per_s == pytest.approx(4 * w.requests_per_s)
     assert w.bytes_per_s == pytest.approx(5000 * w.requests_per_s)
     assert w.usage.wall_s > 0
+
+
+PAGE = """## 2. DP scaling
+| preset | dp 1, images/s | dp 2 / dp 1 |
+|---|---|---|
+| small | 2.10 (2.00–2.20) | **{ratio}** |
+"""
+
+
+@pytest.mark.parametrize(
+    "other, agree",
+    [("1.80 (1.74–1.83)", True), ("1.70 (1.66–1.75)", False), ("1.90 (1.84–1.95)", False)],
+    ids=["within", "median-below", "median-above"],
+)
+def test_two_runs_agree_when_each_median_is_in_the_others_spread(other, agree):
+    first, second = PAGE.format(ratio="1.78 (1.72–1.85)"), PAGE.format(ratio=other)
+    ((key, a, b),) = compare.compare(first, second)
+    assert key == "2. DP scaling | small | 2: dp 2 / dp 1"
+    assert a.overlaps(b) is agree
+    every = compare.compare(first, second, every=True)  # the rate column too
+    assert [k for k, _, _ in every] == ["2. DP scaling | small | 1: dp 1, images/s", key]
