@@ -37,8 +37,8 @@ def role(cmdline: str) -> str:
     if not title.startswith("ray::"):
         return RAY_SYSTEM if "ray" in cmdline else OTHER_CHILD
     actor = title.removeprefix("ray::").split(".")[0]
-    if actor.startswith("ServeReplica:"):
-        return "replica " + actor.removeprefix("ServeReplica:")
+    if "ServeReplica:" in actor:  # while starting: SERVE_REPLICA::<id>:ServeReplica:<app>:<dep>
+        return "replica " + actor.rpartition("ServeReplica:")[2]
     return {"ServeController": CONTROLLER, "ProxyActor": PROXY}.get(actor, RAY_SYSTEM)
 
 

@@ -121,13 +121,26 @@ def test_in_window_counts_the_share_of_each_request_inside():
             "ray::ServeReplica:tiny-dp1:EncodeServer.handle_request_with_rejection",
             "replica tiny-dp1:EncodeServer",
         ),
+        (
+            "ray::SERVE_REPLICA::a#EncoderRank_0#44tz:ServeReplica:a:EncoderRank_0.__init__",
+            "replica a:EncoderRank_0",
+        ),
         ("ray::ServeController.run_control_loop", cpu.CONTROLLER),
         ("ray::ProxyActor", cpu.PROXY),
         ("ray::IDLE", cpu.RAY_SYSTEM),
         ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x", cpu.RAY_SYSTEM),
         ("python -c from multiprocessing.spawn import spawn_main", cpu.OTHER_CHILD),
     ],
-    ids=["rank", "ingress-busy", "controller", "proxy", "idle-worker", "raylet", "other"],
+    ids=[
+        "rank",
+        "ingress-busy",
+        "starting",
+        "controller",
+        "proxy",
+        "idle-worker",
+        "raylet",
+        "other",
+    ],
 )
 def test_role_from_the_command_line(cmdline, role):
     assert cpu.role(cmdline) == role
