@@ -25,6 +25,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import http.server
+import itertools
 import json
 import multiprocessing as mp
 import struct
@@ -269,64 +270,80 @@ def _b64_len(n: int) -> int:
 
 
 def measure(s: Settings, root: Path) -> Measured:
-    from kimi_encoder.config import get_preset
-
+    """Every cell, ours and the ceilings, alternated over ``s.repeats`` repeats."""
     ckpt = str(checkpoint(root, s.width))
     images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
+    out = Measured()
+    with Cluster() as cluster, PlainServer() as plain:
+        client = Http(cluster.port)
+        deploy(cluster, ckpt, s)
+        setups = our_setups(client, images, s, out)
+        setups |= ceiling_setups(client, Http(plain.port), images, s, out)
+        out.windows = alternate(setups, s.repeats)
+    return out
+
+
+def deploy(cluster: Cluster, ckpt: str, s: Settings) -> None:
+    """Our app for each cache mode and ingress count, and the two ceiling apps."""
+    for cache in CACHE:
+        for ingress in INGRESS:
+            args = app_args(
+                ckpt,
+                s.dp,
+                ingress_replicas=ingress,
+                feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
+                **s.app_overrides,
+            )
+            cluster.deploy(Cell(cache, "float32", "json", ingress).app, _bind(args))
+    echo, hop = ceiling_apps()
+    cluster.deploy("echo", echo)
+    cluster.deploy("hop", hop)
+
+
+def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
+    """A closed loop per cell the server supports (probed first: twice, so that a hit
+    cell's images are cached); the others go to ``out.unsupported``."""
+    setups = {}
+    for cache, dtype, fmt, ingress in itertools.product(CACHE, DTYPES, FORMATS, INGRESS):
+        cell = Cell(cache, dtype, fmt, ingress)
+        body = request_body(images, fmt, dtype)
+        out.request_bytes = len(body)
+        path = f"/{cell.app}/v1/encode"
+        try:
+            probe(client, path, body, fmt, dtype, len(images))
+            out.body_bytes[(dtype, fmt)] = probe(client, path, body, fmt, dtype, len(images))
+        except NotSupported as exc:
+            out.unsupported[cell] = str(exc)
+            continue
+        setups[cell] = _loop(sender(client, path, body, len(images)), s)
+    return setups
+
+
+def ceiling_setups(
+    client: Http, plain: Http, images: list[bytes], s: Settings, out: Measured
+) -> dict:
+    """A closed loop per ceiling and answer size (sizes our server did not answer with
+    are computed from its float32 answers)."""
+    from kimi_encoder.config import get_preset
+
     tiny = get_preset("tiny").vision
     tokens = (s.side // tiny.patch_size) ** 2 // tiny.merge_area
     item_bytes = tokens * s.width * 4  # float32 features of one image
-    out = Measured()
-    cells = [Cell(c, d, f, i) for c in CACHE for d in DTYPES for f in FORMATS for i in INGRESS]
-    with Cluster() as cluster, PlainServer() as plain:
-        client, plain_client = Http(cluster.port), Http(plain.port)
-        for cache in CACHE:
-            for ingress in INGRESS:
-                args = app_args(
-                    ckpt,
-                    s.dp,
-                    ingress_replicas=ingress,
-                    feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
-                    **s.app_overrides,
-                )
-                cluster.deploy(f"bytes-{cache}-{ingress}", _bind(args))
-        echo, hop = ceiling_apps()
-        cluster.deploy("echo", echo)
-        cluster.deploy("hop", hop)
-
-        setups: dict = {}
-        for cell in cells:
-            body = request_body(images, cell.fmt, cell.dtype)
-            out.request_bytes = len(body)
-            path = f"/{cell.app}/v1/encode"
-            try:  # twice: the second of a hit cell is a hit
-                probe(client, path, body, cell.fmt, cell.dtype, s.images_per_request)
-                size = probe(client, path, body, cell.fmt, cell.dtype, s.images_per_request)
-            except NotSupported as exc:
-                out.unsupported[cell] = str(exc)
-                continue
-            out.body_bytes[(cell.dtype, cell.fmt)] = size
-            send = sender(client, path, body, s.images_per_request)
-            setups[cell] = _loop(send, s)
-        for dtype in DTYPES:
-            for fmt in FORMATS:
-                if (dtype, fmt) not in out.body_bytes:
-                    f32 = out.body_bytes[("float32", fmt)]
-                    out.body_bytes[(dtype, fmt)] = expected_size(
-                        f32, fmt, item_bytes, s.images_per_request, dtype
-                    )
-                    out.expected.add((dtype, fmt))
-                size = out.body_bytes[(dtype, fmt)]
-                body = request_body(images, fmt, dtype)
-                n = s.images_per_request
-                for name, c, path in (
-                    (CEILINGS[0], plain_client, f"/{size}"),
-                    (CEILINGS[1], client, f"/echo?n={size}"),
-                    (CEILINGS[2], client, f"/hop?n={size}"),
-                ):
-                    setups[(name, dtype, fmt)] = _loop(sender(c, path, body, n), s)
-        out.windows = alternate(setups, s.repeats)
-    return out
+    setups = {}
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        if (dtype, fmt) not in out.body_bytes:
+            f32 = out.body_bytes[("float32", fmt)]
+            out.body_bytes[(dtype, fmt)] = expected_size(f32, fmt, item_bytes, len(images), dtype)
+            out.expected.add((dtype, fmt))
+        size = out.body_bytes[(dtype, fmt)]
+        body = request_body(images, fmt, dtype)
+        for name, c, path in (
+            (CEILINGS[0], plain, f"/{size}"),
+            (CEILINGS[1], client, f"/echo?n={size}"),
+            (CEILINGS[2], client, f"/hop?n={size}"),
+        ):
+            setups[(name, dtype, fmt)] = _loop(sender(c, path, body, len(images)), s)
+    return setups
 
 
 def _bind(args):

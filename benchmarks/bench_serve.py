@@ -5,14 +5,16 @@
 One Ray cluster; for each preset (full run: tiny and small; quick: tiny) an app
 with dp 1 and one with dp 2 (cache off, each rank one logical CPU and one
 torch thread) side by side, and two plain encoder processes (benchmarks/direct.py).
-Repeats alternate four setups: one encoder process, served dp 1, served dp 2,
-two encoder processes at once; each served window records the CPU time of
-every process (benchmarks/cpu.py).
+Repeats alternate the setups: one encoder process, served dp 1, served dp 2,
+two encoder processes at once (tiny: also served dp 1 with 8 images per
+request); each served window records the CPU time of every process
+(benchmarks/cpu.py).
 
 - Serving overhead: served dp 1 over the one encoder process.
 - DP scaling: served dp 2 over served dp 1, next to the machine's own ceiling
   (two encoder processes over one) and the figure with the client's CPU given back.
-- Where the CPU goes: CPU-ms per image of each process.
+- Where the CPU goes: CPU-ms per image of each process; for tiny, split into a
+  cost per request and a cost per image.
 - Cache: a first request for an image against the same image again; hit rate of
   a Zipf(1.1) stream over a catalog.
 - Latency vs offered load: open-loop Poisson arrivals at fractions of dp 1's
