@@ -79,6 +79,12 @@ def test_a_dirty_tree_is_refused_unless_allowed(tmp_path):
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
     clean = common.Run.start(quick=True, allow_dirty=False, root=tmp_path)
     assert not clean.dirty and len(clean.commit) >= 7
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text("a page")
+    git("add", "docs")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    (tmp_path / "docs" / "benchmarks.md").write_text("the page a run wrote")
+    assert not common.Run.start(quick=True, allow_dirty=False, root=tmp_path).dirty
     (tmp_path / "f.txt").write_text("b")
     with pytest.raises(
         common.DirtyTreeError, match=r"(?s)uncommitted changes.*f\.txt.*--allow-dirty"
