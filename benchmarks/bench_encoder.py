@@ -1,16 +1,16 @@
 """Encoder throughput: preprocessing (cpu and gpu backends) and the tower.
 
     python -m benchmarks.bench_encoder [--presets tiny small] [--seconds 3]
+    python -m benchmarks.bench_encoder --doc [--quick]
 
-Prints images/s and patches/s for each stage on a fixed, seeded image mix,
-and the ratio of our K2.5 tower to transformers' ``kimi_k25`` tower on the
-same weights and pixels (when transformers is installed). Side-by-side
-measurements in one process; the machine and thread count are printed.
+Prints images/s and patches/s for each stage on a fixed, seeded image mix.
+With ``--doc``: the docs/benchmarks.md section, our K2.5 tower against
+transformers' ``kimi_k25`` tower on the same weights and pixels (when
+transformers is installed), alternating the two.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import platform
@@ -26,6 +26,8 @@ from PIL import Image
 from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
+
+from .common import Section, arguments, ratio, spread, standalone, table
 
 # A fixed mix: photo-like RGB of several sizes, one RGBA, one palette image.
 MIX = [
@@ -71,21 +73,17 @@ def timed(fn, seconds: float) -> tuple[float, int]:
             return elapsed / calls, calls
 
 
-def interleaved(fa, fb, seconds: float, min_rounds: int = 3) -> tuple[float, float]:
-    """Best seconds per call of ``fa`` and ``fb``, run alternately (after one warm-up each),
-    so a burst of load from elsewhere on the machine hits both alike."""
+def interleaved(fa, fb, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of ``fa`` and ``fb`` in each of ``rounds`` rounds, run alternately
+    (after one warm-up each), so a burst of load from elsewhere on the machine hits both."""
     fa(), fb()
-    best_a = best_b = float("inf")
-    rounds, start = 0, time.perf_counter()
-    while rounds < min_rounds or time.perf_counter() - start < 2 * seconds:
-        t = time.perf_counter()
-        fa()
-        best_a = min(best_a, time.perf_counter() - t)
-        t = time.perf_counter()
-        fb()
-        best_b = min(best_b, time.perf_counter() - t)
-        rounds += 1
-    return best_a, best_b
+    times_a, times_b = [], []
+    for _ in range(rounds):
+        for fn, times in ((fa, times_a), (fb, times_b)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return times_a, times_b
 
 
 def bench_preset(name: str, images: list[bytes], seconds: float) -> list[str]:
@@ -106,13 +104,14 @@ def bench_preset(name: str, images: list[bytes], seconds: float) -> list[str]:
     return rows
 
 
-def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
-    """Our K2.5 tower vs transformers' on the same weights (a mid-size K2.5 shape)."""
+def bench_transformers(images: list[bytes], rounds: int) -> tuple[list[list], str]:
+    """Our K2.5 tower vs transformers' on the same weights (a mid-size K2.5 shape): table
+    rows and a note (or why it was skipped)."""
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
         from reference_k25 import load_reference, reference_features, write_transformers_config
     except ImportError as exc:
-        return [f"| transformers comparison skipped: {exc} |"]
+        return [], f"transformers comparison skipped: {exc}"
     vision = VisionConfig.k25(
         hidden_size=384,
         num_layers=6,
@@ -132,16 +131,44 @@ def bench_transformers(images: list[bytes], seconds: float) -> list[str]:
     pixels = ours.materialize(items)
     patches = sum(item.num_patches for item in items)
     cat, grids = torch.cat(pixels), torch.cat([item.grid_thws for item in items])
-    per_ours, per_ref = interleaved(
-        lambda: ours.forward(pixels, items), lambda: reference_features(ref, cat, grids), seconds
+    t_ours, t_ref = interleaved(
+        lambda: ours.forward(pixels, items), lambda: reference_features(ref, cat, grids), rounds
     )
     diff = torch.cat(ours.forward(pixels, items)) - torch.cat(reference_features(ref, cat, grids))
-    diff = diff.abs()
+    rows = [
+        ["tower + projector (ours)", *_rates(len(items), patches, t_ours)],
+        ["tower + projector (transformers)", *_rates(len(items), patches, t_ref)],
+        ["**ours / transformers throughput**", f"**{ratio(t_ref, t_ours).fmt(2, 'x')}**", "", ""],
+    ]
+    return rows, f"max abs diff of the features {diff.abs().max().item():.2e}"
+
+
+def _rates(images: int, patches: int, times: list[float]) -> list[str]:
     return [
-        _row("k25-mid", "tower + projector (ours)", len(items), patches, per_ours),
-        _row("k25-mid", "tower + projector (transformers)", len(items), patches, per_ref),
-        f"| k25-mid | ours / transformers throughput | {per_ref / per_ours:.2f}x | "
-        f"max abs diff {diff.max().item():.2e} | |",
+        spread([images / t for t in times]).fmt(2),
+        spread([patches / t for t in times]).fmt(0),
+        spread([t * 1e3 for t in times]).fmt(0),
+    ]
+
+
+def sections(quick: bool) -> list[Section]:
+    torch.set_num_threads(1)
+    count = 4 if quick else len(MIX)  # quick: without the 1920x1080 image
+    rounds = 3 if quick else 5
+    rows, note = bench_transformers(make_mix()[:count], rounds)
+    mix = ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX[:count])
+    conditions = (
+        "k25-mid (K2.5 layout, 6 layers, width 384, seeded weights), one torch thread, the "
+        f"batch {mix} in one varlen forward; {rounds} rounds alternating ours and "
+        f"transformers' on the same weights and pixels: median (min–max); {note}."
+    )
+    header = ["stage", "images/s", "patches/s", "ms per batch"]
+    return [
+        Section(
+            "Tower vs transformers (target: >= 1.0x)",
+            "python -m benchmarks.bench_encoder --doc",
+            [conditions, table(header, rows)],
+        )
     ]
 
 
@@ -153,11 +180,14 @@ def _row(preset: str, stage: str, images: int, patches: int, per_call: float) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arguments(__doc__)
+    parser.add_argument("--doc", action="store_true", help="the docs/benchmarks.md section")
     parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args(argv)
+    if args.doc:
+        return standalone(__doc__, lambda a: sections(a.quick), argv, parser)
     torch.set_num_threads(args.threads)
     images = make_mix()
     print(
@@ -174,8 +204,6 @@ def main(argv: list[str] | None = None) -> int:
         get_preset(name)
         for row in bench_preset(name, images, args.seconds):
             print(row, flush=True)
-    for row in bench_transformers(images, args.seconds):
-        print(row, flush=True)
     return 0
 
 

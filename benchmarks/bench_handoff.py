@@ -26,7 +26,6 @@ import concurrent.futures as cf
 import dataclasses
 import io
 import json
-import os
 import struct
 import sys
 import tempfile
@@ -42,14 +41,14 @@ from PIL import Image
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.weights import write_checkpoint
 
-from .common import conditions, image, standalone
+from .common import Section, alternate, image, ratio, spread, standalone, table
 
 WIDTH = 7168  # Kimi-K3's text_hidden_size
 SIDE = 896  # 64 x 64 patches, 1024 tokens
 IMAGES_PER_PART = 2
 PARTS = 4  # distinct parts, sent round robin (all cached after the warm-up)
 CLIENTS = 4
-HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ"]
+HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
 
 
 def write_wide_checkpoint(root: Path) -> Path:
@@ -238,15 +237,15 @@ def deploy(serve, base: str, checkpoint: Path) -> str:
     return f"{base}/handoff"
 
 
-def run(quick: bool) -> tuple[str, list[list]]:
+def sections(quick: bool) -> list[Section]:
     import ray
     from ray import serve
 
-    from .bench_serve import free_port
+    from .serving import free_port
 
-    window = 4.0 if quick else 15.0
+    window = 3.0 if quick else 8.0
+    repeats = 3
     parts = [[jpeg(SIDE, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(PARTS)]
-    load_before = os.getloadavg()
     context = zmq.Context()
     sink = Sink(context)
     with tempfile.TemporaryDirectory() as tmp:
@@ -257,41 +256,56 @@ def run(quick: bool) -> tuple[str, list[list]]:
         try:
             url = deploy(serve, f"http://127.0.0.1:{port}", checkpoint)
             warm_up(url, sink, parts)
-            ours, ours_rate = handoff(url, sink, parts, window)
-            http, http_rate = http_body(url, parts, window)
             part_size = sink.bytes // max(sink.messages, 1)
-            plain, plain_rate = plain_zmq(context, sink, part_size, window)
+            paths = {
+                "hand-off: /encode, pushed over ZMQ": lambda: handoff(url, sink, parts, window),
+                "HTTP body: /v1/encode safetensors": lambda: http_body(url, parts, window),
+                "plain ZMQ PUSH/PULL, same sizes": lambda: plain_zmq(
+                    context, sink, part_size, window
+                ),
+            }
+            measured = alternate(paths, repeats)
         finally:
             serve.shutdown()
             ray.shutdown()
             sink.close()
             context.term()
-    load_after = os.getloadavg()
-    mix = (
-        f"{IMAGES_PER_PART} JPEG images of {SIDE}x{SIDE} px per part ({part_size / 1e6:.1f} MB of "
-        f"bfloat16 features, width {WIDTH}), {PARTS} parts round robin, {CLIENTS} clients"
-    )
-    preset = "tiny tower, text_hidden_size 7168, K3 preprocessing, bfloat16"
-    note = conditions(preset, mix, "2", quick)
-    note += (
-        f"; {window:g} s per path; load average (1/5/15 min) {_load(load_before)} before, "
-        f"{_load(load_after)} after. Hand-off / HTTP body: {ours / http:.2f}x."
-    )
-    measured = [
-        ("hand-off: /encode, pushed over ZMQ", ours, ours_rate),
-        ("HTTP body: /v1/encode safetensors", http, http_rate),
-        ("plain ZMQ PUSH/PULL, same sizes", plain, plain_rate),
+    mb = {path: [m for m, _ in runs] for path, runs in measured.items()}
+    ours, http, plain = mb.values()
+    rows = [
+        [
+            path,
+            spread(mb[path]).fmt(0),
+            spread([rate for _, rate in runs]).fmt(1),
+            ratio(mb[path], plain).fmt(2, "x"),
+        ]
+        for path, runs in measured.items()
     ]
-    rows = [[path, f"{mb:.0f}", f"{rate:.1f}", f"{mb / plain:.2f}"] for path, mb, rate in measured]
-    return note, rows
-
-
-def _load(values: tuple[float, float, float]) -> str:
-    return "/".join(f"{v:.2f}" for v in values)
+    note = (
+        f"Tiny tower with Kimi-K3's text_hidden_size {WIDTH} and K3 preprocessing, bfloat16, "
+        f"dp 2 on this machine's CPU; {IMAGES_PER_PART} JPEG images of {SIDE}x{SIDE} px per "
+        f"part ({part_size / 1e6:.1f} MB of features), {PARTS} parts round robin (cached "
+        f"after a warm-up), {CLIENTS} clients, closed loop; {window:g} s per path, "
+        f"{repeats} repeats alternating the paths: median (min–max)."
+    )
+    verdict = table(
+        ["figure", "median (min–max)", "target"],
+        [
+            ["hand-off / plain ZMQ (MB/s)", f"**{ratio(ours, plain).fmt(2, 'x')}**", ">= 0.5x"],
+            ["hand-off / HTTP body (MB/s)", f"**{ratio(ours, http).fmt(2, 'x')}**", ">= 2x"],
+        ],
+    )
+    return [
+        Section(
+            "Engine hand-off",
+            "python -m benchmarks.bench_handoff",
+            [note, table(HEADER, rows), verdict],
+        )
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return standalone(__doc__, run, HEADER, argv)
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
 
 
 if __name__ == "__main__":

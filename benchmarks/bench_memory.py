@@ -14,7 +14,7 @@ import json
 import subprocess
 import sys
 
-from .common import conditions, standalone
+from .common import Section, standalone, table
 
 CASES = [
     ("baseline (python + torch + kimi_encoder)", None, "float32", False),
@@ -52,7 +52,7 @@ def measure(preset: str | None, dtype: str, forward: bool) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run(quick: bool) -> tuple[str, list[list]]:
+def sections(quick: bool) -> list[Section]:
     rows = []
     for name, preset, dtype, forward in CASES:
         m = measure(preset, dtype, forward)
@@ -66,15 +66,25 @@ def run(quick: bool) -> tuple[str, list[list]]:
                 f"{m['s']:.1f}",
             ]
         )
-    note = conditions("per row", "one 32x32-patch image", "1 (one rank)", quick)
-    return note, rows
+    note = (
+        "One fresh process per row, one torch thread: peak RSS (VmHWM) after building the "
+        "preset with seeded random weights and one forward over a 32x32-patch image (the "
+        "full k3 preset: load only). One measurement per row (memory is not noisy)."
+    )
+    return [
+        Section(
+            "Peak resident memory per rank",
+            "python -m benchmarks.bench_memory",
+            [note, table(HEADER, rows)],
+        )
+    ]
 
 
 HEADER = ["case", "dtype", "forward", "parameters", "peak RSS MiB", "build s"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return standalone(__doc__, run, HEADER, argv)
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from safetensors.numpy import save as save_safetensors
 from deployments.wire import json_body
 from kimi_encoder.features import safetensors_body
 
-from .common import conditions, standalone
+from .common import Section, alternate, ratio, spread, standalone, table
 
 
 def features(total_mb: int, width: int = 7168) -> list[np.ndarray]:
@@ -59,44 +59,69 @@ def ours_st(arrays):
     return safetensors_body(tensors, {"model": "m"})
 
 
-def measure(fn, arrays, repeats: int) -> tuple[float, float]:
-    """(best seconds, peak traced bytes) of building one body."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(arrays)
-        best = min(best, time.perf_counter() - start)
+PATHS = {
+    "JSON, straightforward": plain_json,
+    "JSON, deployments/wire.py": ours_json,
+    "safetensors.numpy.save": plain_st,
+    "safetensors, deployments/wire.py": ours_st,
+}
+
+
+def seconds(fn, arrays) -> float:
+    start = time.perf_counter()
+    fn(arrays)
+    return time.perf_counter() - start
+
+
+def peak_bytes(fn, arrays) -> int:
     tracemalloc.start()
     fn(arrays)
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return best, peak
+    return peak
 
 
-def run(quick: bool) -> tuple[str, list[list]]:
+def sections(quick: bool) -> list[Section]:
     mb = 16 if quick else 64
     arrays = features(mb)
     payload = sum(a.nbytes for a in arrays)
-    rows = []
-    for name, fn in [
-        ("JSON, straightforward", plain_json),
-        ("JSON, deployments/wire.py", ours_json),
-        ("safetensors.numpy.save", plain_st),
-        ("safetensors, deployments/wire.py", ours_st),
-    ]:
-        seconds, peak = measure(fn, arrays, 3 if quick else 5)
-        per_mb = seconds * 1e3 / (payload / (1 << 20))
-        rows.append([name, f"{per_mb:.2f}", f"{peak / payload:.2f}"])
     assert json.loads(ours_json(arrays[:1])) == json.loads(plain_json(arrays[:1]))
-    note = conditions("n/a (K3 width 7168)", f"8 arrays, {payload / 2**20:.0f} MB", "n/a", quick)
-    return note, rows
+    repeats = 3 if quick else 7
+    times = alternate(
+        {name: lambda fn=fn: seconds(fn, arrays) for name, fn in PATHS.items()}, repeats
+    )
+    per_mb = {name: [t * 1e3 / (payload / (1 << 20)) for t in ts] for name, ts in times.items()}
+    rows = [
+        [name, spread(per_mb[name]).fmt(2), f"{peak_bytes(fn, arrays) / payload:.2f}"]
+        for name, fn in PATHS.items()
+    ]
+    names = list(PATHS)
+    speedups = table(
+        ["answer", "wire.py speed-up over the straightforward path"],
+        [
+            ["JSON", f"**{ratio(per_mb[names[0]], per_mb[names[1]]).fmt(2, 'x')}**"],
+            ["safetensors", f"**{ratio(per_mb[names[2]], per_mb[names[3]]).fmt(2, 'x')}**"],
+        ],
+    )
+    note = (
+        f"{len(arrays)} read-only float32 arrays of K3's width 7168, {payload / 2**20:.0f} MB "
+        f"in all; {repeats} repeats alternating the four paths; time per MB of features: "
+        "median (min–max); alloc / payload: tracemalloc's peak over the payload, one run."
+    )
+    return [
+        Section(
+            "Zero-copy response assembly",
+            "python -m benchmarks.bench_wire",
+            [note, table(HEADER, rows), speedups],
+        )
+    ]
 
 
 HEADER = ["assembly", "ms per MB of features", "alloc / payload"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return standalone(__doc__, run, HEADER, argv)
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,12 @@
-"""Shared pieces of the benchmarks: conditions line, image mixes, tables, plots."""
+"""Shared pieces of the benchmarks: the run header, repeats and their spread, markdown.
+
+Every figure that compares setups is measured as repeats that alternate the
+setups (A B A B ...), so a burst of load from elsewhere on the machine falls
+on all of them; a ratio is the median of the per-repeat ratios, printed with
+their min–max. A run records the commit (and refuses a dirty tree unless
+``--allow-dirty``, which marks the output), the CPU, the core count and the
+load average before and after.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +14,14 @@ import argparse
 import io
 import os
 import platform
+import statistics
 import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -16,21 +30,20 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "benchmarks"
 
+T = TypeVar("T")
 
-def commit() -> str:
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return f"{sha}{'+dirty' if dirty else ''}" or "unknown"
-    except OSError:
-        return "unknown"
+
+# --- the run header -------------------------------------------------------------------
+
+
+class DirtyTreeError(RuntimeError):
+    """The checkout has uncommitted changes to tracked files."""
+
+
+def git(*args: str, cwd: Path = ROOT) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def cpu_name() -> str:
@@ -43,17 +56,205 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def hardware() -> str:
-    return f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} (CPU)"
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
 
 
-def conditions(preset: str, mix: str, dp: str, quick: bool) -> str:
-    """The line every figure carries."""
-    mode = "QUICK run (--quick: short, noisy)" if quick else "full run"
-    return (
-        f"hardware: {hardware()}; preset: {preset}; image mix: {mix}; dp: {dp}; "
-        f"commit {commit()}; {mode}"
+def fmt_load(load: Sequence[float]) -> str:
+    return "/".join(f"{v:.2f}" for v in load)
+
+
+@dataclass
+class Run:
+    """What one benchmark run was measured on; ``start`` refuses a dirty tree."""
+
+    quick: bool
+    commit: str
+    dirty: bool
+    cpu: str
+    cores: int
+    load_before: tuple[float, float, float]
+    load_after: tuple[float, float, float] | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(cls, quick: bool, allow_dirty: bool, root: Path = ROOT) -> Run:
+        # The benchmarks' own outputs (this page and its plots) do not make a tree dirty.
+        outputs = [":!docs/benchmarks.md", ":!docs/benchmarks"]
+        changed = git(
+            "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs, cwd=root
+        )
+        if changed and not allow_dirty:
+            raise DirtyTreeError(
+                "the checkout has uncommitted changes to tracked files:\n"
+                f"{changed}\n"
+                "figures must name the commit they were measured on: commit first, or pass "
+                "--allow-dirty (the output is then marked dirty)."
+            )
+        return cls(
+            quick=quick,
+            commit=git("rev-parse", "--short", "HEAD", cwd=root),
+            dirty=bool(changed),
+            cpu=cpu_name(),
+            cores=os.cpu_count() or 1,
+            load_before=load_average(),
+        )
+
+    def finish(self) -> None:
+        self.load_after = load_average()
+
+    @property
+    def seconds(self) -> float:
+        return time.perf_counter() - self.started
+
+    def header(self) -> str:
+        """The run's markdown header lines (call ``finish`` first)."""
+        commit = f"{self.commit} **(dirty: uncommitted changes)**" if self.dirty else self.commit
+        mode = "**quick** (`--quick`: short windows, noisy)" if self.quick else "full"
+        after = fmt_load(self.load_after) if self.load_after else "n/a"
+        return (
+            f"- commit {commit}; run: {mode}; {self.seconds:.0f} s\n"
+            f"- machine: {self.cpu}, {self.cores} cores; torch {torch.__version__} (CPU), "
+            f"Python {platform.python_version()}\n"
+            f"- load average (1/5/15 min) before {fmt_load(self.load_before)}, after {after}"
+        )
+
+
+# --- repeats and their spread ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one figure: the median and the min–max."""
+
+    values: tuple[float, ...]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values)
+
+    @property
+    def lo(self) -> float:
+        return min(self.values)
+
+    @property
+    def hi(self) -> float:
+        return max(self.values)
+
+    def fmt(self, digits: int = 2, unit: str = "") -> str:
+        """``1.83x (1.79–1.88)``: the median, then the min–max."""
+        return f"{self.median:.{digits}f}{unit} ({self.lo:.{digits}f}–{self.hi:.{digits}f})"
+
+    def overlaps(self, other: Spread) -> bool:
+        """Whether each median lies within the other's min–max."""
+        return self.lo <= other.median <= self.hi and other.lo <= self.median <= other.hi
+
+
+def spread(values: Sequence[float]) -> Spread:
+    if not values:
+        raise ValueError("a spread needs at least one value, got none.")
+    return Spread(tuple(float(v) for v in values))
+
+
+def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
+    """Per-repeat ratios of two setups measured in the same repeats."""
+    return spread([a / b for a, b in zip(numerator, denominator, strict=True)])
+
+
+def alternate(setups: Mapping[str, Callable[[], T]], repeats: int) -> dict[str, list[T]]:
+    """Run every setup once per repeat, in the same order each time (A B C A B C ...)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}.")
+    out: dict[str, list[T]] = {name: [] for name in setups}
+    for _ in range(repeats):
+        for name, measure in setups.items():
+            out[name].append(measure())
+    return out
+
+
+# --- markdown -------------------------------------------------------------------------
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+@dataclass
+class Section:
+    """One section of docs/benchmarks.md: its title, the command that re-runs it alone,
+    and its paragraphs and tables in order."""
+
+    title: str
+    command: str
+    parts: list[str]
+    load: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # before, after
+
+    def markdown(self, number: int | None = None) -> str:
+        title = f"{number}. {self.title}" if number is not None else self.title
+        lines = [f"## {title}", "", f"Re-run alone: `{self.command}`"]
+        if self.load:
+            before, after = self.load
+            lines[-1] += f" (load average before {fmt_load(before)}, after {fmt_load(after)})"
+        lines.append("")
+        for part in self.parts:
+            lines += [part, ""]
+        return "\n".join(lines)
+
+
+def with_load(make: Callable[[], list[Section]]) -> list[Section]:
+    """``make()``'s sections, each carrying the load average before and after it."""
+    before = load_average()
+    sections = make()
+    after = load_average()
+    for section in sections:
+        section.load = (before, after)
+    return sections
+
+
+def document(run: Run, sections: Sequence[Section], intro: str) -> str:
+    parts = ["# Benchmarks", "", intro, "", run.header(), ""]
+    parts += [s.markdown(i) for i, s in enumerate(sections, 1)]
+    return "\n".join(parts)
+
+
+def arguments(doc: str) -> argparse.ArgumentParser:
+    """The options every benchmark takes."""
+    parser = argparse.ArgumentParser(
+        description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--quick", action="store_true", help="short runs, noisy")
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run on a checkout with uncommitted changes (the output says so)",
+    )
+    return parser
+
+
+def standalone(
+    doc: str,
+    make: Callable[[argparse.Namespace], list[Section]],
+    argv: list[str] | None = None,
+    parser: argparse.ArgumentParser | None = None,
+) -> int:
+    """``python -m benchmarks.bench_X [--quick]``: run its sections and print their markdown."""
+    args = (parser or arguments(doc)).parse_args(argv)
+    try:
+        run = Run.start(args.quick, args.allow_dirty)
+    except DirtyTreeError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    sections = with_load(lambda: make(args))
+    run.finish()
+    print(run.header() + "\n")
+    for section in sections:
+        print(section.markdown())
+    return 0
+
+
+# --- inputs and plots -----------------------------------------------------------------
 
 
 def image(width: int, height: int, seed: int) -> bytes:
@@ -65,17 +266,6 @@ def image(width: int, height: int, seed: int) -> bytes:
     out = io.BytesIO()
     Image.fromarray(noisy, "RGB").save(out, "PNG")
     return out.getvalue()
-
-
-def side_for_patches(patches: int, patch: int = 14) -> int:
-    """Pixel side of a square image whose grid has about ``patches`` patches."""
-    return round(patches**0.5) * patch
-
-
-def table(header: list[str], rows: list[list]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def save_plot(fig, name: str) -> str:
@@ -92,14 +282,3 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
-
-
-def standalone(doc: str, run, header: list[str], argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.bench_X [--quick]``: run one section and print its table."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args(argv)
-    note, rows = run(args.quick)
-    print(note)
-    print(table(header, rows))
-    return 0

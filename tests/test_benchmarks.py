@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
-from benchmarks import bench_assign, bench_handoff, bench_serve
-from deployments.wire import safetensors_body
+from benchmarks import (
+    bench_assign,
+    bench_bytes,
+    bench_handoff,
+    bench_serve,
+    common,
+    compare,
+    cpu,
+    serving,
+)
+from deployments.wire import json_body, safetensors_body
 from kimi_encoder.assign import makespan
 
 
@@ -29,7 +41,276 @@ def test_ours_carries_load_across_requests():
     ("p95s", "knee"), [([10, 12, 15, 40], 3), ([10, 11], None)], ids=["knee", "none"]
 )
 def test_knee(p95s, knee):
-    assert bench_serve.knee([(i, 0, p, 0) for i, p in enumerate(p95s)]) == knee
+    assert bench_serve.knee([(i, 0, p, 0, 0) for i, p in enumerate(p95s)]) == knee
+
+
+# --- repeats, spreads, the run header ---------------------------------------------------
+
+
+def test_alternate_runs_the_setups_in_turn():
+    order = []
+    setups = {name: (lambda name=name: order.append(name) or len(order)) for name in "ab"}
+    assert common.alternate(setups, 3) == {"a": [1, 3, 5], "b": [2, 4, 6]}
+    assert order == ["a", "b"] * 3
+
+
+def test_spread_and_ratio():
+    s = common.spread([3.0, 1.0, 2.0])
+    assert (s.median, s.lo, s.hi) == (2.0, 1.0, 3.0)
+    assert s.fmt(1, "x") == "2.0x (1.0–3.0)"
+    r = common.ratio([2.0, 6.0, 3.0], [1.0, 2.0, 3.0])
+    assert r.values == (2.0, 3.0, 1.0)
+    assert r.median == 2.0
+    assert s.overlaps(common.spread([2.5, 2.0, 1.5]))
+    assert not s.overlaps(common.spread([3.5, 4.0]))
+
+
+@pytest.mark.parametrize(
+    ("call", "match"),
+    [
+        (lambda: common.spread([]), "at least one value, got none"),
+        (lambda: common.alternate({"a": lambda: 1}, 0), "repeats must be at least 1, got 0"),
+        (lambda: common.ratio([1.0, 2.0], [1.0]), "shorter|longer"),
+    ],
+    ids=["empty-spread", "no-repeats", "unpaired-ratio"],
+)
+def test_bad_repeats_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_a_dirty_tree_is_refused_unless_allowed(tmp_path):
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "f.txt").write_text("a")
+    git("add", "f.txt")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    clean = common.Run.start(quick=True, allow_dirty=False, root=tmp_path)
+    assert not clean.dirty
+    assert len(clean.commit) >= 7
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "benchmarks.md").write_text("a page")
+    git("add", "docs")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
+    (tmp_path / "docs" / "benchmarks.md").write_text("the page a run wrote")
+    assert not common.Run.start(quick=True, allow_dirty=False, root=tmp_path).dirty
+    (tmp_path / "f.txt").write_text("b")
+    with pytest.raises(
+        common.DirtyTreeError, match=r"(?s)uncommitted changes.*f\.txt.*--allow-dirty"
+    ):
+        common.Run.start(quick=True, allow_dirty=False, root=tmp_path)
+    dirty = common.Run.start(quick=True, allow_dirty=True, root=tmp_path)
+    dirty.finish()
+    header = dirty.header()
+    assert dirty.dirty
+    assert "(dirty: uncommitted changes)" in header
+    assert f"{dirty.cores} cores" in header
+    assert "load average" in header
+
+
+def test_section_names_its_command_and_load():
+    section = common.Section("Title", "python -m benchmarks.bench_x", ["para", "| t |"])
+    section.load = ((0.5, 0.4, 0.3), (1.0, 0.6, 0.4))
+    text = section.markdown(3)
+    assert text.startswith("## 3. Title\n")
+    assert "Re-run alone: `python -m benchmarks.bench_x`" in text
+    assert "before 0.50/0.40/0.30, after 1.00/0.60/0.40" in text
+
+
+# --- closed loops and CPU accounting ----------------------------------------------------
+
+
+def test_in_window_counts_the_share_of_each_request_inside():
+    done = [
+        serving.Done(0.0, 2.0, 2, 100),  # half inside
+        serving.Done(2.0, 3.0, 2, 100),  # all inside
+        serving.Done(3.0, 5.0, 4, 300),  # half inside
+        serving.Done(5.0, 6.0, 2, 100),  # after the window
+    ]
+    assert serving.in_window(done, 1.0, 4.0) == (2.0, 5.0, 300.0)
+
+
+@pytest.mark.parametrize(
+    ("cmdline", "role"),
+    [
+        ("ray::ServeReplica:tiny-dp2:EncoderRank_1", "replica tiny-dp2:EncoderRank_1"),
+        (
+            "ray::ServeReplica:tiny-dp1:EncodeServer.handle_request_with_rejection",
+            "replica tiny-dp1:EncodeServer",
+        ),
+        (
+            "ray::SERVE_REPLICA::a#EncoderRank_0#44tz:ServeReplica:a:EncoderRank_0.__init__",
+            "replica a:EncoderRank_0",
+        ),
+        ("ray::ServeController.run_control_loop", cpu.CONTROLLER),
+        ("ray::ProxyActor", cpu.PROXY),
+        ("ray::IDLE", cpu.RAY_SYSTEM),
+        ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x", cpu.RAY_SYSTEM),
+        ("python -c from multiprocessing.spawn import spawn_main", cpu.OTHER_CHILD),
+    ],
+    ids=[
+        "rank",
+        "ingress-busy",
+        "starting",
+        "controller",
+        "proxy",
+        "idle-worker",
+        "raylet",
+        "other",
+    ],
+)
+def test_role_from_the_command_line(cmdline, role):
+    assert cpu.role(cmdline) == role
+
+
+def test_a_child_process_cpu_is_ours_and_labelled():
+    child = subprocess.Popen(
+        [sys.executable, "-c", "sum(range(10**7)); print('done', flush=True); input()"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        before = cpu.snapshot({child.pid: "worker"})
+        assert child.stdout.readline() == "done\n"
+        after = cpu.snapshot({child.pid: "worker"})
+    finally:
+        child.communicate("")
+    used = cpu.usage(before, after)
+    assert used.by_role["worker"] > 0
+    assert used.ours_s >= used.by_role["worker"]
+
+
+def window(rate: float, wall: float, by_role: dict[str, float], busy: float) -> serving.Window:
+    return serving.Window(rate / 2, rate, 0.0, cpu.Usage(wall, by_role, busy, 0.0))
+
+
+def test_cpu_ms_per_image_by_process():
+    app = "tiny-dp2"
+    roles = {
+        f"replica {app}:EncoderRank_0": 0.5,
+        f"replica {app}:EncoderRank_1": 0.4,
+        f"replica {app}:EncodeServer": 0.2,
+        "replica tiny-dp1:EncoderRank_0": 0.01,
+        cpu.CLIENT: 0.0,
+    }
+    ms = bench_serve.cpu_ms([window(10.0, 1.0, roles, busy=1.61)], app)
+    assert {k: round(v.median, 6) for k, v in ms.items()} == {
+        "rank 0": 50.0,
+        "rank 1": 40.0,
+        bench_serve.INGRESS: 20.0,
+        bench_serve.OTHER_APPS: 1.0,
+        bench_serve.OUTSIDE: 50.0,  # 1.61 busy - 1.11 ours, over 10 images
+    }  # the client spent nothing: no row
+
+
+@pytest.mark.parametrize(
+    ("roles", "busy", "limit"),
+    [
+        # rank 0 at half a core, all of ours one core of two: the rank bounds first (x2)
+        ({"replica a:EncoderRank_0": 0.5, "replica a:EncodeServer": 0.5}, 1.0, 20.0),
+        # the machine is full (1.5 of ours + 0.5 outside): the rate is the limit
+        ({"replica a:EncoderRank_0": 0.5, "replica a:EncodeServer": 1.0}, 2.0, 10.0),
+        # 0.5 of 2 cores outside, 0.75 of ours: ours may grow to 1.5 cores (x2)
+        ({"replica a:EncoderRank_0": 0.25, "replica a:EncodeServer": 0.5}, 1.25, 20.0),
+    ],
+    ids=["rank-bound", "machine-full", "room-left"],
+)
+def test_cpu_bound_limit(roles, busy, limit):
+    assert bench_serve.bound(window(10.0, 1.0, roles, busy), "a", 2) == pytest.approx(limit)
+
+
+# --- bench_bytes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "name"), [("safetensors", "F32"), ("json", "float32")])
+def test_answers_are_checked_for_their_dtype(fmt, name):
+    arrays = [np.zeros((4, 8), np.float32), np.ones((2, 8), np.float32)]
+    if fmt == "safetensors":
+        data = safetensors_body({f"features.{i}": (a, "F32") for i, a in enumerate(arrays)})
+    else:
+        items = [
+            {"index": i, "shape": list(a.shape), "dtype": "float32", "data": a}
+            for i, a in enumerate(arrays)
+        ]
+        data = json_body({"items": items})
+    bench_bytes.check_answer(data, fmt, "float32", 2)
+    with pytest.raises(
+        bench_bytes.NotSupported, match=rf"asked for bfloat16, answered \['{name}'\]"
+    ):
+        bench_bytes.check_answer(data, fmt, "bfloat16", 2)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "refused"),
+    [
+        (422, b'{"error":{"message":"feature_dtype: Extra inputs are not permitted"}}', True),
+        (422, b'{"error":{"message":"items: Field required"}}', False),
+        (400, b"feature_dtype", False),
+    ],
+    ids=["unknown-field", "other-422", "other-status"],
+)
+def test_a_server_without_feature_dtype_is_recognised(status, body, refused):
+    assert bench_bytes.refuses_feature_dtype(status, body) is refused
+
+
+def st_size(arrays: list[np.ndarray]) -> int:
+    names = {4: "F32", 2: "BF16"}  # a 2-byte array stands for bfloat16 words
+    tensors = {f"features.{i}": (a, names[a.itemsize]) for i, a in enumerate(arrays)}
+    return len(safetensors_body(tensors))
+
+
+def json_size(arrays: list[np.ndarray]) -> int:
+    # json_body writes float32 base64: 2-byte elements go in as float32 views of their bytes
+    items = [{"index": i, "data": a.view(np.float32)} for i, a in enumerate(arrays)]
+    return len(json_body({"items": items}))
+
+
+def test_expected_body_sizes_of_bfloat16():
+    """Against real bodies: float16 arrays have bfloat16's element size."""
+    rows = 256 * 7168  # one image's features at K3 width
+    f32, f16 = [np.zeros(rows, np.float32)] * 4, [np.zeros(rows, np.float16)] * 4
+    item = rows * 4
+    expected = bench_bytes.expected_size
+    assert expected(st_size(f32), "safetensors", item, 4, "bfloat16") == st_size(f16)
+    assert expected(json_size(f32), "json", item, 4, "bfloat16") == json_size(f16)
+    assert expected(st_size(f32), "safetensors", item, 4, "float32") == st_size(f32)
+
+
+def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
+    """The harness end to end on loopback: stdlib server, lean clients, the window."""
+    with bench_bytes.PlainServer() as plain:
+        client = serving.Http(plain.port)
+        send = bench_bytes.sender(client, "/5000", b'{"items": []}', 4)
+        assert send(0) == (4, 5000)
+        w = serving.closed_loop(send, clients=2, seconds=0.2)
+    assert w.requests_per_s > 0
+    assert w.images_per_s == pytest.approx(4 * w.requests_per_s)
+    assert w.bytes_per_s == pytest.approx(5000 * w.requests_per_s)
+    assert w.usage.wall_s > 0
+
+
+PAGE = """## 2. DP scaling
+| preset | dp 1, images/s | dp 2 / dp 1 |
+|---|---|---|
+| small | 2.10 (2.00–2.20) | **{ratio}** |
+"""
+
+
+@pytest.mark.parametrize(
+    ("other", "agree"),
+    [("1.80 (1.74–1.83)", True), ("1.70 (1.66–1.75)", False), ("1.90 (1.84–1.95)", False)],
+    ids=["within", "median-below", "median-above"],
+)
+def test_two_runs_agree_when_each_median_is_in_the_others_spread(other, agree):
+    first, second = PAGE.format(ratio="1.78 (1.72–1.85)"), PAGE.format(ratio=other)
+    ((key, a, b),) = compare.compare(first, second)
+    assert key == "2. DP scaling | small | 2: dp 2 / dp 1"
+    assert a.overlaps(b) is agree
+    every = compare.compare(first, second, every=True)  # the rate column too
+    assert [k for k, _, _ in every] == ["2. DP scaling | small | 1: dp 1, images/s", key]
 
 
 def test_handoff_counts_only_the_feature_tensors_of_a_body():

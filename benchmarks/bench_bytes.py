@@ -1,0 +1,503 @@
+"""Feature bytes at Kimi-K3's width: how fast 7.3 MB-per-image answers leave the server.
+
+    python -m benchmarks.bench_bytes [--quick]
+
+Kimi-K3's projector writes 7168 features per token: a 448x448 image is 256
+tokens, 7.3 MB of float32. The compute is kept cheap: a checkpoint with the
+tiny tower and ``text_hidden_size`` 7168, written here with the library. dp 2,
+4 images per request (JSON requests), 4 closed-loop clients, one torch thread
+per rank. Cells:
+
+- cache hits (the same 4 images in every request: no compute) and misses
+  (cache off: the tiny tower runs), each with
+- the wire dtype float32 (the default) or bfloat16 (request field
+  ``feature_dtype``), JSON or safetensors answers, 1 or 2 ingress replicas.
+
+A server without ``feature_dtype`` answers 422 to it; such a cell is reported as
+not supported. Next to them, in the same repeats and with the same request and
+response body sizes, three ceilings: a plain loopback HTTP server (stdlib, one
+process), a trivial Serve deployment returning the body, and that deployment
+behind one deployment-handle hop (the inner returns the body as a numpy array).
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import http.server
+import itertools
+import json
+import multiprocessing as mp
+import struct
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
+from .serving import Cluster, Http, HttpError, Window, app_args, closed_loop, free_port
+
+DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
+FORMATS = ("json", "safetensors")
+CACHE = ("hit", "miss")
+INGRESS = (1, 2)
+CEILINGS = ("plain HTTP", "Serve", "Serve + 1 hop")
+COMMAND = "python -m benchmarks.bench_bytes"
+
+
+@dataclass(frozen=True)
+class Settings:
+    width: int = 7168
+    side: int = 448  # px: 1024 patches, 256 tokens with the tiny preset's limits
+    images_per_request: int = 4
+    clients: int = 4
+    dp: int = 2
+    repeats: int = 3
+    window_s: float = 4.0
+    app_overrides: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, quick: bool) -> Settings:
+        return cls(repeats=3, window_s=1.5) if quick else cls()
+
+
+# --- our server -----------------------------------------------------------------------
+
+
+def checkpoint(root: Path, width: int) -> Path:
+    """The tiny tower with a ``width``-wide projector output, seeded weights."""
+    from kimi_encoder.config import get_preset
+    from kimi_encoder.weights import write_checkpoint
+
+    tiny = get_preset("tiny")
+    vision = dataclasses.replace(tiny.vision, text_hidden_size=width)
+    return write_checkpoint(root / f"tiny-{width}", vision, tiny.preprocess, seed=0)
+
+
+def request_body(images: list[bytes], fmt: str, dtype: str) -> bytes:
+    """A JSON encode request; float32 is left to the server's default (the model's dtype)."""
+    body: dict = {
+        "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
+        "response_format": fmt,
+    }
+    if dtype != "float32":
+        body["feature_dtype"] = dtype
+    return json.dumps(body).encode()
+
+
+class NotSupported(Exception):
+    """The server does not offer what a cell asks for."""
+
+
+def check_answer(data: bytes, fmt: str, dtype: str, count: int) -> None:
+    """Raise ``NotSupported`` unless the answer has ``count`` items of ``dtype``."""
+    code, _ = DTYPES[dtype]
+    if fmt == "safetensors":
+        (size,) = struct.unpack("<Q", data[:8])
+        header = json.loads(data[8 : 8 + size])
+        got = [header[f"features.{i}"]["dtype"] for i in range(count)]
+        want = [code] * count
+    else:
+        items = json.loads(data)["items"]
+        got = [item.get("dtype", "float32") for item in items]
+        want = [dtype] * count
+    if got != want:
+        raise NotSupported(f"asked for {dtype}, answered {sorted(set(got))}")
+
+
+def refuses_feature_dtype(status: int, body: bytes) -> bool:
+    """Whether an error answer is a server without the ``feature_dtype`` field refusing it."""
+    return status == 422 and b"feature_dtype" in body
+
+
+def probe(client: Http, path: str, body: bytes, fmt: str, dtype: str, count: int) -> int:
+    """One request of a cell: its answer's size, or ``NotSupported`` (a 422 naming
+    ``feature_dtype``, or an answer in another dtype)."""
+    try:
+        data, _ = client.post(path, body, "application/json")
+    except HttpError as exc:
+        if refuses_feature_dtype(exc.status, exc.body):
+            raise NotSupported("not supported by this server (422 for feature_dtype)") from None
+        raise
+    check_answer(data, fmt, dtype, count)
+    return len(data)
+
+
+# --- ceilings -------------------------------------------------------------------------
+
+
+def _plain_server(port: int, ready) -> None:
+    """Stdlib HTTP/1.1 server: reads the request body, answers ``n`` bytes for ``POST /n``."""
+    bodies: dict[int, bytes] = {}
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            n = int(self.path.strip("/"))
+            body = bodies.setdefault(n, np.random.default_rng(n).bytes(n))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    ready.set()
+    server.serve_forever()
+
+
+class PlainServer:
+    """``_plain_server`` in a process of its own (a context manager)."""
+
+    def __enter__(self) -> PlainServer:
+        context = mp.get_context("spawn")
+        self.port = free_port()
+        ready = context.Event()
+        self.proc = context.Process(target=_plain_server, args=(self.port, ready), daemon=True)
+        self.proc.start()
+        while not ready.wait(0.5):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"the plain HTTP server exited ({self.proc.exitcode})")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.proc.kill()
+        self.proc.join()
+
+
+def ceiling_apps():
+    """(echo app, hop app): a Serve deployment that answers ``n`` bytes for ``?n=``, and
+    one that gets them from an inner deployment as a numpy array first."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Echo:
+        def __init__(self):
+            self.bodies: dict[int, bytes] = {}
+
+        async def __call__(self, request: Request) -> Response:
+            await request.body()
+            n = int(request.query_params["n"])
+            body = self.bodies.setdefault(n, np.random.default_rng(n).bytes(n))
+            return Response(body, media_type="application/octet-stream")
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Inner:
+        def __init__(self):
+            self.arrays: dict[int, np.ndarray] = {}
+
+        def __call__(self, n: int) -> np.ndarray:
+            if n not in self.arrays:
+                self.arrays[n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            return self.arrays[n]
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Outer:
+        def __init__(self, inner):
+            self.inner = inner
+
+        async def __call__(self, request: Request) -> Response:
+            await request.body()
+            array = await self.inner.remote(int(request.query_params["n"]))
+            return Response(array.tobytes(), media_type="application/octet-stream")
+
+    return Echo.bind(), Outer.bind(Inner.bind())
+
+
+# --- cells ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    cache: str
+    dtype: str
+    fmt: str
+    ingress: int
+
+    @property
+    def app(self) -> str:
+        return f"bytes-{self.cache}-{self.ingress}"
+
+
+@dataclass
+class Measured:
+    """Every repeat's window of each cell (ours, by ``Cell``; ceilings by (name, body))."""
+
+    windows: dict = field(default_factory=dict)
+    unsupported: dict[Cell, str] = field(default_factory=dict)
+    body_bytes: dict[tuple[str, str], int] = field(default_factory=dict)  # (dtype, fmt)
+    expected: set[tuple[str, str]] = field(default_factory=set)  # sizes computed, not seen
+    request_bytes: int = 0
+
+    def rates(self, key) -> list[float]:
+        return [w.images_per_s for w in self.windows[key]]
+
+    def mb_per_s(self, key) -> Spread:
+        return spread([w.bytes_per_s / 1e6 for w in self.windows[key]])
+
+
+def sender(client: Http, path: str, body: bytes, images: int) -> Callable[[int], tuple[int, int]]:
+    def send(_: int) -> tuple[int, int]:
+        data, _ = client.post(path, body, "application/json")
+        return images, len(data)
+
+    return send
+
+
+def expected_size(f32_size: int, fmt: str, item_bytes: int, items: int, dtype: str) -> int:
+    """Body size with ``dtype`` features, from the float32 body's (``items`` arrays of
+    ``item_bytes`` float32 bytes each): the payload shrinks with the element size, in JSON
+    as base64 (the envelope's dtype names are taken as the same length)."""
+    _, element = DTYPES[dtype]
+    smaller = item_bytes * element // 4
+    if fmt == "json":
+        return f32_size - items * (_b64_len(item_bytes) - _b64_len(smaller))
+    return f32_size - items * (item_bytes - smaller)
+
+
+def _b64_len(n: int) -> int:
+    return 4 * -(-n // 3)
+
+
+def measure(s: Settings, root: Path) -> Measured:
+    """Every cell, ours and the ceilings, alternated over ``s.repeats`` repeats."""
+    ckpt = str(checkpoint(root, s.width))
+    images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
+    out = Measured()
+    with Cluster() as cluster, PlainServer() as plain:
+        client = Http(cluster.port)
+        deploy(cluster, ckpt, s)
+        setups = our_setups(client, images, s, out)
+        setups |= ceiling_setups(client, Http(plain.port), images, s, out)
+        out.windows = alternate(setups, s.repeats)
+    return out
+
+
+def deploy(cluster: Cluster, ckpt: str, s: Settings) -> None:
+    """Our app for each cache mode and ingress count, and the two ceiling apps."""
+    for cache in CACHE:
+        for ingress in INGRESS:
+            args = app_args(
+                ckpt,
+                s.dp,
+                ingress_replicas=ingress,
+                feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
+                **s.app_overrides,
+            )
+            cluster.deploy(Cell(cache, "float32", "json", ingress).app, _bind(args))
+    echo, hop = ceiling_apps()
+    cluster.deploy("echo", echo)
+    cluster.deploy("hop", hop)
+
+
+def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
+    """A closed loop per cell the server supports (probed first: twice, so that a hit
+    cell's images are cached); the others go to ``out.unsupported``."""
+    setups = {}
+    for cache, dtype, fmt, ingress in itertools.product(CACHE, DTYPES, FORMATS, INGRESS):
+        cell = Cell(cache, dtype, fmt, ingress)
+        body = request_body(images, fmt, dtype)
+        out.request_bytes = len(body)
+        path = f"/{cell.app}/v1/encode"
+        try:
+            probe(client, path, body, fmt, dtype, len(images))
+            out.body_bytes[(dtype, fmt)] = probe(client, path, body, fmt, dtype, len(images))
+        except NotSupported as exc:
+            out.unsupported[cell] = str(exc)
+            continue
+        setups[cell] = _loop(sender(client, path, body, len(images)), s)
+    return setups
+
+
+def ceiling_setups(
+    client: Http, plain: Http, images: list[bytes], s: Settings, out: Measured
+) -> dict:
+    """A closed loop per ceiling and answer size (sizes our server did not answer with
+    are computed from its float32 answers)."""
+    from kimi_encoder.config import get_preset
+
+    tiny = get_preset("tiny").vision
+    tokens = (s.side // tiny.patch_size) ** 2 // tiny.merge_area
+    item_bytes = tokens * s.width * 4  # float32 features of one image
+    setups = {}
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        if (dtype, fmt) not in out.body_bytes:
+            f32 = out.body_bytes[("float32", fmt)]
+            out.body_bytes[(dtype, fmt)] = expected_size(f32, fmt, item_bytes, len(images), dtype)
+            out.expected.add((dtype, fmt))
+        size = out.body_bytes[(dtype, fmt)]
+        body = request_body(images, fmt, dtype)
+        for name, c, path in (
+            (CEILINGS[0], plain, f"/{size}"),
+            (CEILINGS[1], client, f"/echo?n={size}"),
+            (CEILINGS[2], client, f"/hop?n={size}"),
+        ):
+            setups[(name, dtype, fmt)] = _loop(sender(c, path, body, len(images)), s)
+    return setups
+
+
+def _bind(args):
+    from deployments.app import bind_app
+
+    return bind_app(args)
+
+
+def _loop(send, s: Settings) -> Callable[[], Window]:
+    return lambda: closed_loop(send, s.clients, s.window_s)
+
+
+# --- sections -------------------------------------------------------------------------
+
+
+def cell_text(m: Measured, cell: Cell, what: str) -> str:
+    if cell in m.unsupported:
+        return "not supported by this server"
+    if what == "images":
+        return spread(m.rates(cell)).fmt(1)
+    return m.mb_per_s(cell).fmt(0)
+
+
+def size_text(m: Measured, dtype: str, fmt: str) -> str:
+    size = f"{m.body_bytes[(dtype, fmt)] / 1e6:.1f}"
+    return f"{size} (expected)" if (dtype, fmt) in m.expected else size
+
+
+def ratio_text(m: Measured, a, b, digits: int = 2) -> str:
+    if a in m.unsupported or b in m.unsupported:
+        return "n/a (not supported)"
+    return ratio(m.rates(a), m.rates(b)).fmt(digits, "x")
+
+
+def sections(quick: bool, s: Settings | None = None) -> list[Section]:
+    s = s or Settings.of(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        m = measure(s, Path(tmp))
+    return [throughput_section(m, s), ceilings_section(m, s)]
+
+
+def throughput_section(m: Measured, s: Settings) -> Section:
+    rows = []
+    for cache in CACHE:
+        for dtype in DTYPES:
+            for fmt in FORMATS:
+                one, two = Cell(cache, dtype, fmt, 1), Cell(cache, dtype, fmt, 2)
+                rows.append(
+                    [
+                        cache,
+                        dtype,
+                        fmt,
+                        size_text(m, dtype, fmt),
+                        cell_text(m, one, "MB"),
+                        cell_text(m, one, "images"),
+                        cell_text(m, two, "MB"),
+                        cell_text(m, two, "images"),
+                        ratio_text(m, two, one),
+                    ]
+                )
+    header = [
+        "cache",
+        "wire dtype",
+        "answer",
+        "MB per answer",
+        "1 ingress: MB/s",
+        "images/s",
+        "2 ingress: MB/s",
+        "images/s",
+        "2 ingress / 1",
+    ]
+    ratios = []
+    for cache in CACHE:
+        for ingress in INGRESS:
+            c = {(d, f): Cell(cache, d, f, ingress) for d in DTYPES for f in FORMATS}
+            ratios.append(
+                [
+                    cache,
+                    ingress,
+                    ratio_text(m, c["bfloat16", "json"], c["float32", "json"]),
+                    ratio_text(m, c["bfloat16", "safetensors"], c["float32", "safetensors"]),
+                    ratio_text(m, c["float32", "json"], c["float32", "safetensors"]),
+                    ratio_text(m, c["bfloat16", "json"], c["bfloat16", "safetensors"]),
+                ]
+            )
+    ratio_header = [
+        "cache",
+        "ingress",
+        "bf16 / f32 images/s, JSON",
+        "bf16 / f32, safetensors",
+        "JSON / safetensors, f32",
+        "JSON / safetensors, bf16",
+    ]
+    return Section(
+        f"Feature bytes at K3 width {s.width}",
+        COMMAND,
+        [
+            conditions(m, s),
+            table(header, rows),
+            table(ratio_header, ratios),
+        ],
+    )
+
+
+def ceilings_section(m: Measured, s: Settings) -> Section:
+    rows = []
+    for dtype in DTYPES:
+        for fmt in FORMATS:
+            mbs = [m.mb_per_s((c, dtype, fmt)) for c in CEILINGS]
+            ours = Cell("hit", dtype, fmt, 1)
+            rows.append(
+                [
+                    f"{dtype} {fmt}",
+                    size_text(m, dtype, fmt),
+                    *[x.fmt(0) for x in mbs],
+                    ratio_text(m, ours, (CEILINGS[2], dtype, fmt)),
+                    ratio_text(m, Cell("hit", dtype, fmt, 2), (CEILINGS[2], dtype, fmt)),
+                ]
+            )
+    header = [
+        "answer body",
+        "MB",
+        *(f"{c}: MB/s" for c in CEILINGS),
+        "ours (hits, 1 ingress) / Serve + 1 hop",
+        "ours (hits, 2 ingress) / Serve + 1 hop",
+    ]
+    return Section(
+        "Feature bytes: ceilings",
+        COMMAND,
+        [
+            "The same clients, request bodies and answer sizes as the section above, "
+            "measured in the same repeats. Plain HTTP: a stdlib `ThreadingHTTPServer` in a "
+            "process of its own. Serve: a deployment that reads the request and answers "
+            "prepared bytes. Serve + 1 hop: that deployment asks an inner deployment for "
+            "the body as a numpy array (through the object store) and answers its bytes.",
+            table(header, rows),
+        ],
+    )
+
+
+def conditions(m: Measured, s: Settings) -> str:
+    return (
+        f"Tiny tower, projector width {s.width}; {s.side}x{s.side} images; dp {s.dp}, one "
+        f"torch thread per rank; {s.images_per_request} images per request (JSON request "
+        f"of {m.request_bytes / 1e6:.1f} MB), {s.clients} closed-loop clients; hits: the "
+        "same images in every request, misses: cache off. "
+        f"{s.repeats} repeats alternating every cell, {s.window_s:g} s windows; median "
+        "(min–max); a ratio is the median of the per-repeat ratios."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

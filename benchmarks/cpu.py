@@ -1,0 +1,133 @@
+"""Where the CPU goes: CPU time of each process of a benchmark over a window (psutil).
+
+The processes are this one (the benchmark's clients) and its descendants: the
+Ray processes ``ray.init`` started here and anything the benchmark spawned.
+Other people's processes, Ray clusters included, are never counted as ours:
+what the machine spent beyond ours is reported as "outside".
+
+Ray names its workers in their command lines (``/proc/<pid>/cmdline``):
+``ray::ServeReplica:<app>:<deployment>`` for a replica, ``ray::ServeController``,
+``ray::ProxyActor``; ``role`` turns those into the labels of the tables.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import psutil
+
+CLIENT = "client (this process)"
+PROXY = "Serve proxy"
+CONTROLLER = "Serve controller"
+RAY_SYSTEM = "Ray system (gcs, raylet, agents)"
+OTHER_CHILD = "other child processes"
+
+
+def role(cmdline: str) -> str:
+    """A process's role from its command line; replicas as ``replica <app>:<deployment>``.
+
+    Ray appends the method a worker is running to its title
+    (``ray::ServeReplica:app:EncoderRank_0.handle_request``): it is dropped, so app
+    names must not contain dots.
+    """
+    title = (cmdline.split() or [""])[0]
+    if not title.startswith("ray::"):
+        return RAY_SYSTEM if "ray" in cmdline else OTHER_CHILD
+    actor = title.removeprefix("ray::").split(".")[0]
+    if "ServeReplica:" in actor:  # while starting: SERVE_REPLICA::<id>:ServeReplica:<app>:<dep>
+        return "replica " + actor.rpartition("ServeReplica:")[2]
+    return {"ServeController": CONTROLLER, "ProxyActor": PROXY}.get(actor, RAY_SYSTEM)
+
+
+def _cmdline(proc: psutil.Process) -> str:
+    try:
+        return " ".join(proc.cmdline())
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return ""
+
+
+def _cpu_seconds(proc: psutil.Process) -> float | None:
+    try:
+        t = proc.cpu_times()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+    return t.user + t.system
+
+
+def _machine_busy() -> float:
+    """Seconds all cores spent on anything but idle, I/O wait and steal."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+
+def _steal() -> float:
+    return getattr(psutil.cpu_times(), "steal", 0.0)
+
+
+@dataclass
+class Snapshot:
+    at: float
+    cpu: dict[int, tuple[str, float]]  # pid -> (role, user + system seconds)
+    machine_busy: float
+    steal: float
+
+
+def snapshot(labels: Mapping[int, str] | None = None) -> Snapshot:
+    """CPU seconds of this process and each descendant, and of the whole machine;
+    ``labels`` names the benchmark's own child processes by pid."""
+    me = psutil.Process()
+    labels = {me.pid: CLIENT, **(labels or {})}
+    cpu: dict[int, tuple[str, float]] = {}
+    for proc in [me, *me.children(recursive=True)]:
+        seconds = _cpu_seconds(proc)
+        if seconds is not None:
+            cpu[proc.pid] = (labels.get(proc.pid) or role(_cmdline(proc)), seconds)
+    return Snapshot(time.perf_counter(), cpu, _machine_busy(), _steal())
+
+
+@dataclass
+class Usage:
+    """CPU seconds by role between two snapshots, and the machine's."""
+
+    wall_s: float
+    by_role: dict[str, float]
+    machine_busy_s: float
+    steal_s: float
+
+    @property
+    def ours_s(self) -> float:
+        return sum(self.by_role.values())
+
+    @property
+    def outside_s(self) -> float:
+        """CPU the machine spent on processes that are not ours (other users, the kernel)."""
+        return max(0.0, self.machine_busy_s - self.ours_s)
+
+    def cores(self, seconds: float) -> float:
+        """CPU seconds as cores busy on average over the window."""
+        return seconds / self.wall_s
+
+    def grouped(self, label: Callable[[str], str]) -> dict[str, float]:
+        """CPU seconds summed under ``label(role)``."""
+        out: dict[str, float] = defaultdict(float)
+        for name, seconds in self.by_role.items():
+            out[label(name)] += seconds
+        return dict(out)
+
+
+def usage(before: Snapshot, after: Snapshot) -> Usage:
+    """What each process spent between the snapshots; one that started in between counts
+    from its start, one that ended in between is left out."""
+    by_role: dict[str, float] = defaultdict(float)
+    for pid, (name, seconds) in after.cpu.items():
+        start = before.cpu.get(pid, (name, 0.0))[1]
+        by_role[name] += max(0.0, seconds - start)
+    return Usage(
+        wall_s=after.at - before.at,
+        by_role=dict(by_role),
+        machine_busy_s=after.machine_busy - before.machine_busy,
+        steal_s=after.steal - before.steal,
+    )
