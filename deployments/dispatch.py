@@ -208,6 +208,7 @@ class Dispatcher:
 
     def info(self) -> dict[str, Any]:
         return {
+            "caller": self.caller,
             "cost_model": {**asdict(self.cost_model), "source": self._source()},
             "loads": [round(v, 6) for v in self.loads()],
             "affinity_tolerance": self.tolerance,

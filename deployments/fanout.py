@@ -14,7 +14,11 @@ A call that no replica of its rank has taken after ``rank_route_timeout_s`` (a
 ``routed`` attribute of the call; calls without one count as routed) is late
 too: the rank may be dead and waiting for its replacement, or the machine may be
 too starved of CPU to route in time. Its images go to the other ranks while it
-goes on routing, so a starved machine answers late rather than not at all.
+goes on routing, so a starved machine answers late rather than not at all. To
+tell the two apart, a rank marked slow has the replica it last answered from
+looked up (``RankClient.replica_alive``): a replica that no longer exists makes
+the rank *failed*, so its unrouted calls are dropped and, with every rank gone,
+requests get 503 at once instead of waiting for the replacements.
 
 A call that is late (no answer by ``rank_slow_factor`` x the time the fitted cost
 model expects, and at least ``rank_slow_after_s``) makes its rank *slow*: the
@@ -124,6 +128,10 @@ class RankClient(Protocol):
 
     def load(self) -> Call: ...
 
+    async def replica_alive(self, replica: Any) -> bool:
+        """Whether ``replica`` (one the rank answered from) still exists; unknown: True."""
+        ...
+
 
 @dataclass
 class RankAnswer:
@@ -169,6 +177,7 @@ class RankHealth:
         self.cooldown_s = cooldown_s
         self._state = [_RankState() for _ in ranks]
         self._probes: list[asyncio.Task | None] = [None] * len(ranks)
+        self._lookups: list[asyncio.Task | None] = [None] * len(ranks)
         self.failures = [0] * len(ranks)  # unavailable, slow or silent, per rank
         self.recoveries = [0] * len(ranks)  # times a down rank answered again
         self.ignored = 0  # failures of replicas already replaced
@@ -208,6 +217,11 @@ class RankHealth:
             state.slow = error.slow
         if was_up:
             log.warning("%s; its images go to the other ranks until it answers", error)
+        lookup = self._lookups[error.rank]
+        if state.slow and state.replica is not None and (lookup is None or lookup.done()):
+            self._lookups[error.rank] = asyncio.get_running_loop().create_task(
+                self._look_up(error.rank, state.replica)
+            )
         probe = self._probes[error.rank]
         if probe is None or probe.done():
             self._probes[error.rank] = asyncio.get_running_loop().create_task(
@@ -227,6 +241,14 @@ class RankHealth:
             self.recoveries[rank] += 1
             log.info("rank %d answers again (replica %s); it takes work", rank, replica)
         state.down_until = None
+
+    async def _look_up(self, rank: int, replica: Any) -> None:
+        """A slow rank whose last replica no longer exists has failed (module doc)."""
+        if await self.ranks[rank].replica_alive(replica):
+            return
+        state = self._state[rank]
+        if state.down_until is not None and state.slow and state.replica == replica:
+            self.mark_down(RankUnavailableError(rank, f"its replica {replica} is gone", replica))
 
     async def _recover(self, rank: int) -> None:
         state = self._state[rank]

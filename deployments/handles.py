@@ -9,6 +9,8 @@ two look the same from here. So an encode call keeps routing (``routed`` says
 whether a replica took it) and the fan-out hedges its images to the other ranks
 once it has waited ``rank_route_timeout_s``; a load poll gives up after that
 long and says the rank is *slow* (any answer brings it back), never *failed*.
+Whether a slow rank's last replica still exists is asked of Ray's registry of
+named actors (``replica_alive``): a dead rank is then told from a starved one.
 The chosen replica's id travels with the answer or the error, so the ingress
 knows which process of the rank it heard from.
 
@@ -21,11 +23,14 @@ itself, unwrapped from ``RayTaskError``.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve._private.common import DeploymentID, ReplicaID  # ReplicaID: public alpha
 from ray.serve.exceptions import (
     BackPressureError,
     DeploymentUnavailableError,
@@ -37,6 +42,11 @@ from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
 from .fanout import RankUnavailableError
+
+log = logging.getLogger("ray.serve")
+
+SERVE_NAMESPACE = "serve"  # where Serve registers its replicas' actors by name
+LOOKUP_TIMEOUT_S = 2.0  # a registry slower than this says nothing: the replica counts as alive
 
 # ActorDiedError and ActorUnavailableError are RayActorErrors.
 UNAVAILABLE = (
@@ -142,6 +152,21 @@ class RankHandle:
 
     def info(self) -> RankCall:
         return self._call("info", None)
+
+    async def replica_alive(self, replica: str) -> bool:
+        """Whether ``replica`` (a replica id of this rank, as ``choose_replica`` gave it)
+        still has its actor registered: Serve names each replica's actor, and a dead
+        one's name is released. Unknown (a slow or failing lookup) counts as alive."""
+        deployment = DeploymentID(self.handle.deployment_name, self.handle.app_name)
+        name = ReplicaID(replica, deployment).to_full_id_str()
+        lookup = asyncio.to_thread(ray.get_actor, name, SERVE_NAMESPACE)
+        try:
+            await asyncio.wait_for(lookup, LOOKUP_TIMEOUT_S)
+        except ValueError:  # no actor of that name: the replica has died
+            return False
+        except Exception as exc:  # noqa: BLE001 - the lookup says nothing: assume alive
+            log.info("rank %d: could not look up replica %s (%r)", self.rank, replica, exc)
+        return True
 
     def _call(self, method: str, route_timeout_s: float | None, *args, **kwargs) -> RankCall:
         handle = self.handle.options(method_name=method)

@@ -270,14 +270,16 @@ class InfoResponse(BaseModel):
     dp_size: int
     assignment: dict[str, Any] | None = Field(
         None,
-        description="Owner assignment at this ingress replica: cost_model {a, b, c, source} "
-        "(cost of a p-patch image: a*p^2 + b*p + c), current rank loads in that unit, "
-        "affinity_tolerance, load_report_interval_ms.",
+        description="Owner assignment at this ingress replica: caller (the replica's id in "
+        "the ranks' load reports), cost_model {a, b, c, source} (cost of a p-patch image: "
+        "a*p^2 + b*p + c), current rank loads in that unit, affinity_tolerance, "
+        "load_report_interval_ms.",
     )
     failover: dict[str, Any] | None = Field(
         None,
-        description="Rank failures seen by this ingress replica: ranks_up, unavailable_errors "
-        "per rank, redispatched_images, cooldown_s.",
+        description="Rank failures seen by this ingress replica: ranks_up, down (rank: "
+        "reason), replicas (the replica each rank last answered from), unavailable_errors "
+        "and recoveries per rank, redispatched_images, hedged_images, cooldown_s.",
     )
     handoff: dict[str, Any] | None = Field(
         None,

@@ -113,8 +113,8 @@ def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, i
     return pids
 
 
-def replica_actor(app: str, rank: int):
-    """The live Serve replica actor of ``rank`` in ``app`` (a handle for ray.kill)."""
+def replica_actor_name(app: str, rank: int) -> str:
+    """The actor name of the live Serve replica of ``rank`` in ``app``."""
     tag = f"{app}#EncoderRank_{rank}#"
     alive = [
         a
@@ -122,7 +122,12 @@ def replica_actor(app: str, rank: int):
         if a["State"] == "ALIVE" and tag in a["Name"]
     ]
     assert len(alive) == 1, [a["Name"] for a in alive]
-    return ray.get_actor(alive[0]["Name"], namespace="serve")
+    return alive[0]["Name"]
+
+
+def replica_actor(app: str, rank: int):
+    """The live Serve replica actor of ``rank`` in ``app`` (a handle for ray.kill)."""
+    return ray.get_actor(replica_actor_name(app, rank), namespace="serve")
 
 
 class _FrameUnpickler(pickle.Unpickler):

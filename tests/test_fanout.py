@@ -437,3 +437,35 @@ def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
     ranks, error = asyncio.run(scenario())
     assert [r.cancelled for r in ranks] == [1, 1]
     assert error.retry_after_s >= 1
+
+
+class Registry(FakeRank):
+    """A rank client whose replicas ``gone`` no longer exist (Ray's named-actor registry)."""
+
+    def __init__(self, rank: int, gone: set[str]):
+        super().__init__(rank)
+        self.gone = gone
+
+    async def replica_alive(self, replica) -> bool:
+        return replica not in self.gone
+
+
+@pytest.mark.parametrize(("gone", "failed"), [(set(), set()), ({"r0"}, {0})], ids=["alive", "gone"])
+def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
+    """Late routing looks the same for a starved machine and a dead rank; the rank's last
+    replica, looked up, tells them apart: gone makes the rank failed (its unrouted calls
+    are dropped, see the 503 test above), alive leaves it slow (it still gets work when
+    no rank is up)."""
+
+    async def scenario():
+        health = RankHealth([Registry(0, gone)], cooldown_s=60)
+        health.mark_up(0, "r0", time.monotonic())
+        health.mark_down(RankUnavailableError(0, "no replica took the call", slow=True))
+        await asyncio.wait_for(health._lookups[0], 5)
+        return health
+
+    health = asyncio.run(scenario())
+    assert health.down() == {0}
+    assert health.failed() == failed
+    if failed:
+        assert "its replica r0 is gone" in health.info()["down"][0]

@@ -17,7 +17,7 @@ import ray
 import requests
 from load import Load, pool, summary
 from ray import serve
-from serve_helpers import app_args, replica_actor
+from serve_helpers import app_args, b64, replica_actor, replica_actor_name
 
 from deployments.app import bind_app
 
@@ -104,6 +104,50 @@ def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
             assert int(o.retry_after) >= 1, o
         # in flight at the kill or sent after it: answered within 1 s of the later one
         assert o.sent + o.seconds - max(o.sent, killed_at) <= 1.0 or o.status == 200, o
+
+
+def replacement_started(rank: int, killed: str) -> bool:
+    """Whether Serve has created a new replica actor for ``rank`` (so every router has
+    dropped the killed one and holds new calls until the new one runs)."""
+    tag = f"{APP}#EncoderRank_{rank}#"
+    return any(
+        tag in a["Name"] and a["Name"] != killed and a["State"] != "DEAD"
+        for a in ray._private.state.actors().values()
+    )
+
+
+def test_ranks_killed_while_idle_are_refused_not_waited_for(url, chaos_images):
+    """Both ranks die with no call in flight, so no ingress hears an error: its next calls
+    wait for a replica Serve is still starting, which looks like a starved machine. The
+    ranks' last replicas, looked up, are gone: the request is refused with 503 and
+    Retry-After instead of waiting for the replacements (which would answer 200)."""
+    images, features = chaos_images
+    heard = {}  # ingress replica -> the replica each rank last answered it from
+    with Load(url, images, features, clients=4):
+        deadline = time.monotonic() + REJOIN_BOUND_S
+        while len(heard) < 2 or not all(all(r) for r in heard.values()):
+            assert time.monotonic() < deadline, heard
+            view = info(url)
+            heard[view["assignment"]["caller"]] = view["failover"]["replicas"]
+    names = {rank: replica_actor_name(APP, rank) for rank in (0, 1)}
+    for name in names.values():
+        ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+    deadline = time.monotonic() + REJOIN_BOUND_S
+    while not all(replacement_started(rank, names[rank]) for rank in (0, 1)):
+        assert time.monotonic() < deadline, "Serve started no replacement"
+        time.sleep(0.05)
+    items = [{"type": "image", "image": b64(images[0])}, {"type": "image", "image": b64(images[1])}]
+    answers = [
+        requests.post(f"{url}/v1/encode", json={"items": items}, timeout=60) for _ in range(4)
+    ]
+    print(f"\nranks killed while idle: {[a.status_code for a in answers]}")
+    for answer in answers:
+        assert answer.status_code == 503, answer.text[:300]
+        assert int(answer.headers["Retry-After"]) >= 1
+        assert answer.json()["error"]["type"] == "unavailable"
+    while requests.post(f"{url}/v1/encode", json={"items": items}, timeout=60).status_code != 200:
+        assert time.monotonic() < deadline, "the replacements never answered"
+        time.sleep(0.2)
 
 
 def test_a_hung_rank_is_routed_around_and_rejoins(url, chaos_images):
