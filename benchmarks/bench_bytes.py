@@ -480,8 +480,44 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             "prepared bytes. Serve + 1 hop: that deployment asks an inner deployment for "
             "the body as a numpy array (through the object store) and answers its bytes.",
             table(header, rows),
+            COPIES,
+            table(["where", "full-size copies of the features", "code"], COPY_ROWS),
         ],
     )
+
+
+COPIES = (
+    "Full-size copies of an answer's features from the rank's forward to the socket, "
+    "counted from the code (the ceilings above pay the Ray and proxy rows too; the plain "
+    "HTTP server pays only the last):"
+)
+COPY_ROWS = [
+    [
+        "rank: leave the device",
+        "1 per image, cast to the wire dtype on the device first (no host upcast)",
+        "`deployments/batcher.py` `_copy_stage`",
+    ],
+    [
+        "rank: one buffer per call",
+        "0 for a one-image call; 1 (`torch.cat`) when a call holds several images",
+        "`deployments/rank.py` `encode`",
+    ],
+    [
+        "rank → ingress",
+        "1 (serialized into the object store; the ingress reads it in place)",
+        "Ray",
+    ],
+    [
+        "ingress: the body",
+        "safetensors 1 (header and slices joined once); JSON 1 base64 (4/3 the size) and 1 join",
+        "`deployments/wire.py`",
+    ],
+    [
+        "ingress → proxy → socket",
+        "1–2 (Serve hands the body to its HTTP proxy through Ray, which writes it)",
+        "Ray Serve",
+    ],
+]
 
 
 def conditions(m: Measured, s: Settings) -> str:

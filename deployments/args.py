@@ -269,7 +269,9 @@ class AppArgs(BaseModel):
         50.0,
         ge=0,
         description="Longest age of the ranks' load reports (other ingress replicas' work and "
-        "the cost model) used in owner assignment; a request polls when they are older.",
+        "the cost model) used in owner assignment; a request polls when they are older (in "
+        "the background once a rank has reported). 0: every request waits for fresh reports "
+        "(exact loads across ingress replicas, one poll's latency per request).",
     )
 
     image_urls: ImageUrlOptions = Field(

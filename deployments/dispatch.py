@@ -75,6 +75,7 @@ class Dispatcher:
         self._models: list[CostModel | None] = [None] * num_ranks
         self._reported_at = [-math.inf] * num_ranks
         self._poll: asyncio.Task | None = None
+        self._poll_started = -math.inf
         self._holders: OrderedDict[str, int] = OrderedDict()
         # Called with (rank, error) when a rank misses its report deadline.
         self.on_silent: Callable[[int, BaseException], None] = lambda rank, error: None
@@ -105,7 +106,9 @@ class Dispatcher:
         is reported silent and skipped from then on, so a hung rank holds no request.
         Otherwise the poll runs in the background and the request uses the reports it
         has. Every encode answer carries its rank's report too (``observe``), so a busy
-        rank is rarely polled. Ranks in ``skip`` (down) are not.
+        rank is rarely polled. Ranks in ``skip`` (down) are not. An interval of 0 asks
+        for exact loads instead: every request waits (as long) for a poll started after
+        it arrived.
         """
         now = time.monotonic()
         stale = [
@@ -115,9 +118,11 @@ class Dispatcher:
         ]
         if not stale:
             return
-        if self._poll is None or self._poll.done():
+        exact = self.report_interval_s == 0
+        if self._poll is None or self._poll.done() or (exact and self._poll_started < now):
+            self._poll_started = time.monotonic()
             self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(ranks, stale))
-        if any(now - self._reported_at[r] >= REPORT_OUTDATED_S for r in stale):
+        if exact or any(now - self._reported_at[r] >= REPORT_OUTDATED_S for r in stale):
             await asyncio.wait([self._poll], timeout=self.report_timeout_s)
 
     async def _poll_ranks(self, ranks: Sequence[Any], stale: list[int]) -> None:

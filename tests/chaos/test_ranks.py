@@ -26,6 +26,9 @@ pytestmark = pytest.mark.chaos
 APP = "chaos_ranks"
 RUN_S = 30  # load around each fault
 REJOIN_BOUND_S = 60  # a replaced or resumed rank takes work again within this
+# "At once": docs/api.md measures under 1 s on a quiet machine; the bound leaves room for
+# a loaded one and stays far below a replacement's start (15-20 s on this CPU preset).
+PROMPT_S = 3.0
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +105,9 @@ def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
         if o.status == 503:
             assert o.retry_after is not None, o
             assert int(o.retry_after) >= 1, o
-        # in flight at the kill or sent after it: answered within 1 s of the later one
-        assert o.sent + o.seconds - max(o.sent, killed_at) <= 1.0 or o.status == 200, o
+        # in flight at the kill or sent after it: answered soon after the later one, 200 or
+        # 503, never after waiting for the replacements (which took work rejoin_s after)
+        assert o.sent + o.seconds - max(o.sent, killed_at) <= PROMPT_S, o
 
 
 def replacement_started(rank: int, killed: str) -> bool:
@@ -174,4 +178,4 @@ def test_a_hung_rank_is_routed_around_and_rejoins(url, chaos_images):
     assert figures["lost"] == 0
     assert figures["statuses"] == {200: figures["requests"]}
     assert figures["max_s"] <= 3.0  # those on it finished by re-dispatch
-    assert other["p50_s"] <= 2 * unloaded["p50_s"]
+    assert other["p50_s"] <= max(2 * unloaded["p50_s"], unloaded["p50_s"] + 0.5)  # noise
