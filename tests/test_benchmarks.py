@@ -257,7 +257,7 @@ def test_a_server_without_feature_dtype_is_recognised(status, body, refused):
 
 
 def st_size(arrays: list[np.ndarray]) -> int:
-    names = {4: "F32", 2: "BF16"}  # a 2-byte array stands for bfloat16 words
+    names = {4: "F32", 2: "F16"}  # a 2-byte array stands for bfloat16 words (same name length)
     tensors = {f"features.{i}": (a, names[a.itemsize]) for i, a in enumerate(arrays)}
     return len(safetensors_body(tensors))
 
