@@ -141,10 +141,15 @@ class _FrameUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
+def read_frame0(data: bytes) -> SimpleNamespace:
+    """Frame 0 of a pushed part (sglang's ``EmbeddingData``) as plain attributes."""
+    return _FrameUnpickler(io.BytesIO(data)).load()
+
+
 def read_part(frames: list[bytes]) -> tuple[SimpleNamespace, torch.Tensor | None]:
     """A pushed part: frame 0's attributes and the embedding of frame 1 (None for an
     error frame, which comes alone)."""
-    meta = _FrameUnpickler(io.BytesIO(frames[0])).load()
+    meta = read_frame0(frames[0])
     if meta.error_msg is not None:
         assert len(frames) == 1, f"an error frame comes alone, got {len(frames)} frames"
         return meta, None

@@ -7,17 +7,15 @@ sglang's own unpickler and receiver accept them.
 import asyncio
 import base64
 import hashlib
-import io
-import pickle
 import pickletools
 import socket
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 import zmq
 from images import image_bytes
+from serve_helpers import read_frame0
 
 from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.engines.sglang import (
@@ -129,7 +127,7 @@ def test_error_target_of_a_refused_body():
     assert (target.req_id, target.num_parts, target.part_idx) == ("9f2c_local_part_1", 2, 1)
     assert (target.receive_address, target.mm_items) == ("10.0.0.1:40123", ())
     (frame0,) = error_frames(target, MSG_IMAGE_ONLY, 400)
-    meta = _Unpickler(io.BytesIO(frame0)).load()
+    meta = read_frame0(frame0)
     assert (meta.req_id, meta.error_msg, meta.error_code) == (target.req_id, MSG_IMAGE_ONLY, 400)
     assert error_target(encode_body(hashes=[1])).receive_address is None  # zmq_to_scheduler
 
@@ -174,17 +172,6 @@ def test_tcp_endpoint_forms():
         tcp_endpoint("host:0")
 
 
-class _Unpickler(pickle.Unpickler):
-    """Resolves sglang's two class names to local look-alikes, anything else as usual."""
-
-    def find_class(self, module, name):
-        if (module, name) == EMBEDDING_DATA:
-            return SimpleNamespace
-        if (module, name) == MODALITY:
-            return lambda value: ("Modality", value)
-        return super().find_class(module, name)
-
-
 def _globals(frame: bytes) -> set:
     return {
         tuple(arg.split(" ")) for op, arg, _ in pickletools.genops(frame) if op.name == "GLOBAL"
@@ -201,7 +188,7 @@ def test_embedding_frames(dtype):
     assert EMBEDDING_DATA in _globals(frame0)
     assert MODALITY in _globals(frame0)
     assert _globals(frame0) <= FRAME0_GLOBALS
-    meta = _Unpickler(io.BytesIO(frame0)).load()
+    meta = read_frame0(frame0)
     assert vars(meta).keys() == {
         "req_id",
         "num_parts",
@@ -238,7 +225,7 @@ def test_embedding_frames_of_non_contiguous_features():
     req = EncodeRequest.from_json(encode_body())
     features = torch.randn(16, 8).to(torch.bfloat16).t()  # (8, 16), column-major
     frame0, body = embedding_frames(req, features, torch.tensor([[1, 4, 8]]), [(100, 37)])
-    meta = _Unpickler(io.BytesIO(frame0)).load()
+    meta = read_frame0(frame0)
     assert torch.equal(torch.frombuffer(bytearray(body), dtype=meta.dtype).reshape(8, 16), features)
 
 
@@ -253,7 +240,7 @@ def test_embedding_frames_refuse_mismatches():
 def test_error_frames():
     req = EncodeRequest.from_json(encode_body())
     (frame0,) = error_frames(req, "cannot read the image header", 400)
-    meta = _Unpickler(io.BytesIO(frame0)).load()
+    meta = read_frame0(frame0)
     assert (meta.error_msg, meta.error_code, meta.grid_dim, meta.shape) == (
         "cannot read the image header",
         400,
@@ -420,7 +407,7 @@ def test_deliver_zmq_to_tokenizer(zmq_ctx):
 
     assert asyncio.run(main()) == [tcp_endpoint(address)]
     frame0, frame1 = sock.recv_multipart()
-    meta = _Unpickler(io.BytesIO(frame0)).load()
+    meta = read_frame0(frame0)
     assert (meta.req_id, meta.shape) == (req.req_id, [300, 1024])
     assert torch.equal(
         torch.frombuffer(bytearray(frame1), dtype=meta.dtype).reshape(300, 1024), features
