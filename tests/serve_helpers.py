@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import signal
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,6 +60,13 @@ def app_args(
         rank_options=serve_options(base.rank_options, rank_options),
         ingress_options=serve_options(base.ingress_options, ingress_options),
     )
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a server the test stops with Ctrl-C (SIGINT): a shell runs
+    background jobs with SIGINT ignored, and a child inherits that, so Python would
+    never raise KeyboardInterrupt in it. Restore the default disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

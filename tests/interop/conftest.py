@@ -49,6 +49,12 @@ class Service:
     log: Path
 
 
+def _ctrl_c_reaches_it() -> None:
+    """A shell's background jobs ignore SIGINT and children inherit it: restore it, so
+    the service stops on the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -119,6 +125,7 @@ def service(kimi_tool, tmp_path_factory) -> Service:
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_ctrl_c_reaches_it,
         )
     urls = {name: f"http://127.0.0.1:{port}/{name}" for name in APPS}
     try:

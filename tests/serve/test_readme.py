@@ -24,7 +24,7 @@ import requests
 import yaml
 from images import image_bytes
 from safetensors.numpy import load_file
-from serve_helpers import free_port
+from serve_helpers import ctrl_c_reaches_it, free_port
 
 pytestmark = pytest.mark.serve
 
@@ -92,6 +92,7 @@ def service(tmp_path_factory):
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=ctrl_c_reaches_it,
         )
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
@@ -108,14 +109,10 @@ def service(tmp_path_factory):
     yield {"url": url, "port": port}
     os.killpg(process.pid, signal.SIGINT)  # make and serve run: Ctrl-C in the terminal
     try:
-        process.wait(timeout=120)  # make itself reports the interrupt with a non-zero code
-    except subprocess.TimeoutExpired:  # a loaded machine: Ctrl-C once more, as a user would
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
+        process.wait(timeout=90)  # make itself reports the interrupt with a non-zero code
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
     assert "Got KeyboardInterrupt, shutting down" in log.read_text(), log.read_text()[-4000:]
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/healthz", timeout=2)

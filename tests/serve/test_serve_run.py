@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
-from serve_helpers import free_port
+from serve_helpers import ctrl_c_reaches_it, free_port
 
 pytestmark = pytest.mark.serve
 
@@ -53,6 +53,7 @@ def start_serve_run(tmp_path: Path, config: dict) -> tuple[subprocess.Popen, Pat
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=ctrl_c_reaches_it,
         )
     return process, log
 
@@ -82,11 +83,9 @@ def test_config_giving_one_rank_other_resources_is_refused(tmp_path):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
     finally:
-        # What is tested is the refusal; Ctrl-C itself is tested by test_readme and the
-        # shipped-config test. A loaded machine may take long to stop a failing deploy.
         process.send_signal(signal.SIGINT)
         try:
-            process.wait(timeout=120)
+            process.wait(timeout=90)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            raise
