@@ -36,7 +36,10 @@ INTRO = (
     "setups (A B A B ...): a figure is the median over the repeats with its min–max in "
     "parentheses, and a ratio is the median of the per-repeat ratios. The machine is shared: "
     "each section gives the load average before and after it, and the serving sections "
-    'measure the CPU that other processes took ("outside").'
+    'measure the CPU that other processes took ("outside"). `python -m benchmarks.compare '
+    "a.md b.md` checks that two runs agree: on every ratio their min–max ranges overlap "
+    "(its help says why the stricter check, each median inside the other's range, fails by "
+    "chance alone)."
 )
 
 

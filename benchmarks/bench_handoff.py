@@ -243,8 +243,8 @@ def sections(quick: bool) -> list[Section]:
 
     from .serving import free_port
 
-    window = 3.0 if quick else 8.0
-    repeats = 3
+    window = 3.0 if quick else 6.0
+    repeats = 3 if quick else 5  # see bench_bytes.Settings.repeats
     parts = [[jpeg(SIDE, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(PARTS)]
     context = zmq.Context()
     sink = Sink(context)

@@ -146,7 +146,11 @@ class Spread:
         return f"{self.median:.{digits}f}{unit} ({self.lo:.{digits}f}–{self.hi:.{digits}f})"
 
     def overlaps(self, other: Spread) -> bool:
-        """Whether each median lies within the other's min–max."""
+        """Whether the two min–max ranges share a value (the runs agree within their spreads)."""
+        return self.lo <= other.hi and other.lo <= self.hi
+
+    def holds_median_of(self, other: Spread) -> bool:
+        """Whether each median lies within the other's min–max (the stricter check)."""
         return self.lo <= other.median <= self.hi and other.lo <= self.median <= other.hi
 
 
