@@ -13,7 +13,7 @@ The stricter check, each median inside the other run's range, is printed too but
 does not decide: it fails by chance alone. With every repeat drawn from one and
 the same distribution, a median of 3 repeats lies in another run's 3-repeat
 range with probability about 0.6, both ways about 0.4, so 69 figures would all
-pass about once in 10^27 pairs of runs on a perfectly steady machine; ranges
+pass in fewer than one pair of runs in 10^27 on a perfectly steady machine; ranges
 overlap with probability 0.90 at 3 repeats, 0.992 at 5 and 0.9994 at 7.
 ``--chance`` prints these probabilities (simulated) for a number of repeats.
 """
