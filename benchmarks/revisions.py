@@ -32,7 +32,7 @@ from pathlib import Path
 from .bench_encoder import make_mix
 from .bench_serve import CLIENTS, PER_REQUEST, Encode, request_stream
 from .common import ROOT, Section, alternate, arguments, git, ratio, spread, standalone, table
-from .serving import Http, closed_loop, free_port
+from .serving import Http, HttpError, closed_loop, free_port
 
 # Runs inside the revision's tree: argv = checkpoint, images folder, seconds.
 TOWER = """
@@ -135,8 +135,8 @@ def _wait_until_answering(encode: Encode, proc: subprocess.Popen, config: Path) 
         try:
             encode.send(0)
             return
-        except OSError:
-            pass
+        except (OSError, HttpError):
+            pass  # not listening yet, or the proxy answers 404/503 until the app is up
         if time.monotonic() > deadline:
             raise RuntimeError(f"serve run {config} did not answer within 300 s.")
         time.sleep(1)
