@@ -5,7 +5,7 @@ Ray-free: a rank is a ``RankClient`` (``deployments/handles.py`` wraps a Serve
 deployment handle; tests use plain objects). Its calls are awaitables with
 ``cancel()``; a call that fails with ``RankUnavailableError`` (the rank died, is
 being replaced, its queue is full, no replica took the call in time) is not the
-request's fault, so its images go to the ranks still up, within the same
+request's doing, so its images go to the ranks still up, within the same
 request, until every image has features or ``request_timeout_s`` is spent. Any
 other error (an undecodable image, an encoder failure) is the answer: it would
 fail again anywhere.

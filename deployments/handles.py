@@ -15,7 +15,7 @@ The chosen replica's id travels with the answer or the error, so the ingress
 knows which process of the rank it heard from.
 
 A call's failure is translated when it is awaited: the errors that mean "not the
-request's fault, send it elsewhere" become ``RankUnavailableError``; an error
+request's doing, send it elsewhere" become ``RankUnavailableError``; an error
 the rank raised (an undecodable image, an encoder failure) is re-raised as
 itself, unwrapped from ``RayTaskError``.
 """
