@@ -1,7 +1,8 @@
 """Shared fixtures: the oracle data, seeded checkpoints and encoders, and the real Ray Serve
 cluster the serve and chaos tests run apps on (CPU, real HTTP on free ports, no mocks):
-one Ray cluster and one Serve instance per session, started on first use; each shared
-app (a dp size) is deployed once, on first use, under its own name and route prefix."""
+one Ray cluster and one Serve instance per session, started on first use; a module's
+shared apps (a dp size) are deployed on first use under their own name and route prefix
+and deleted when the module ends, so idle replicas do not pile up over the session."""
 
 from __future__ import annotations
 
@@ -80,29 +81,43 @@ def serve_url() -> Iterator[str]:
 REFERENCE_PATH = dict(feature_cache_bytes=0, cost_model="patches")
 
 
+# name -> base URL of the `deploy` apps now running; emptied at the end of every module.
+_APPS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _delete_apps_after_module() -> Iterator[None]:
+    """Delete the module's `deploy` apps when it ends. Every idle replica costs a few
+    percent of a core (Serve's health checks, metrics and load polls); kept for the whole
+    session, dozens of them starved the later tests on a two-core machine."""
+    yield
+    if _APPS:
+        from ray import serve
+
+        for name in list(_APPS):
+            serve.delete(name)
+        _APPS.clear()
+
+
 @pytest.fixture(scope="session")
-def deploy(serve_url: str) -> Iterator[Callable[..., str]]:
+def deploy(serve_url: str) -> Callable[..., str]:
     """``deploy(dp_size)`` -> base URL of a running app with that many ranks.
 
     ``deploy(dp_size, name, **overrides)``: an app of its own with other AppArgs
-    (an API key file, a short timeout, ...), shared under ``name``.
+    (an API key file, a short timeout, ...), shared under ``name`` by the module's tests.
     """
     from ray import serve
     from serve_helpers import app_args
 
     from deployments.app import bind_app
 
-    apps: dict[str, str] = {}
-
     def _deploy(dp_size: int, name: str | None = None, **overrides) -> str:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
-        if name not in apps:
+        if name not in _APPS:
             args = app_args(dp_size=dp_size, **{**REFERENCE_PATH, **overrides})
             serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
-            apps[name] = f"{serve_url}/{name}"
-        return apps[name]
+            _APPS[name] = f"{serve_url}/{name}"
+        return _APPS[name]
 
-    yield _deploy
-    for name in apps:
-        serve.delete(name)
+    return _deploy

@@ -137,8 +137,15 @@ def test_quickstart_curl(service):
     assert got["usage"] == want["usage"]
     (item,) = got["items"]
     for key, value in want["items"][0].items():
-        if key != "data":
+        if key not in ("data", "owner_rank"):
             assert item[key] == value, key
+    # The owner is the rank that answered: the README shows the usual one, but a rank that
+    # does not take the call in time (still starting, a starved machine) hands the image
+    # to another, and the answer is just as right.
+    config = yaml.safe_load((ROOT / "configs" / "config.yaml").read_text())
+    ranks = range(config["applications"][0]["args"]["dp_size"])
+    assert want["items"][0]["owner_rank"] in ranks
+    assert item["owner_rank"] in ranks
 
 
 def test_offline_cli(tmp_path):
