@@ -191,6 +191,14 @@ def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
     pids = replica_pids("chaos_formats", "EncodeServer")
     rss_before = rss_mb(pids)
     bomb = ico_bomb()
+
+    def healthz_s() -> float:
+        sent = time.monotonic()
+        assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
+        return time.monotonic() - sent
+
+    # The machine's own hiccups set the bar: /healthz polled as often without bombs.
+    unloaded = max(healthz_s() for _ in range(40))
     worst_healthz = 0.0
     with_bombs = threading.Event()
 
@@ -204,9 +212,7 @@ def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
     thread = threading.Thread(target=send_bombs)
     thread.start()
     while not with_bombs.is_set():
-        sent = time.monotonic()
-        assert requests.get(f"{url}/healthz", timeout=5).status_code == 200
-        worst_healthz = max(worst_healthz, time.monotonic() - sent)
+        worst_healthz = max(worst_healthz, healthz_s())
     thread.join()
     for name, data in [("x.eps", eps), ("x.psd", psd), ("renamed.png", eps)]:
         answer = requests.post(f"{url}/v1/encode", files={"image": (name, data)})
@@ -215,10 +221,13 @@ def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
     after = [r["calls"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]]
     growth = rss_mb(pids) - rss_before
     print(
-        f"\nICO bombs: /healthz at worst {worst_healthz * 1e3:.1f} ms; ingress RSS +{growth:.1f} MB"
+        f"\nICO bombs: /healthz at worst {worst_healthz * 1e3:.1f} ms (without bombs "
+        f"{unloaded * 1e3:.1f} ms); ingress RSS +{growth:.1f} MB"
     )
     assert after == before  # nothing reached a rank
-    assert worst_healthz <= 0.1
+    # Decoding one bomb (169 MB of pixels) on the event loop would stall it for longer
+    # than the 0.2 s allowed over the machine's own worst.
+    assert worst_healthz <= max(2 * unloaded, unloaded + 0.2)
     assert growth <= 50
 
 
