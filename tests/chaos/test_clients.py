@@ -256,7 +256,10 @@ def test_an_abandoned_flood_is_dropped(apps, chaos_images):
           f"{one_batch_s:.2f} s); outstanding work 0 after {drained_s:.2f} s")  # fmt: skip
     assert answer.status_code == 200
     assert small_s <= one_batch_s + 1.0
-    assert drained_s <= 2.0
+    # Kept, the flood's 48 images (24 per rank, 1.5 batches) would hold the ranks for
+    # over one batch's time; dropped, their work is gone within 2 s on a quiet machine
+    # (0.5 s measured) and within half a batch's time on a slow one.
+    assert drained_s <= max(2.0, one_batch_s / 2)
 
 
 def test_ingress_replica_killed_under_a_client_job(apps, chaos_images, tmp_path):
