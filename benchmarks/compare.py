@@ -103,12 +103,13 @@ def main(argv: list[str] | None = None) -> int:
     for key, a, b in pairs:
         ok = a.overlaps(b)
         bad += not ok
-        strict += a.holds_median_of(b)
+        inside = a.holds_median_of(b)
+        strict += inside
         mark = "agree   " if ok else "DISAGREE"
-        inside = "" if a.holds_median_of(b) else "  (a median outside the other's range)"
+        note = "" if inside else "  (a median outside the other's range)"
         print(
             f"{mark} {key}: {a.median:g} ({a.lo:g}–{a.hi:g}) vs {b.median:g} "
-            f"({b.lo:g}–{b.hi:g}){inside}"
+            f"({b.lo:g}–{b.hi:g}){note}"
         )
     print(
         f"{len(pairs) - bad} of {len(pairs)} figures agree (ranges overlap); "

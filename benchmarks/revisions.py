@@ -159,7 +159,8 @@ def compare(base: str, head: str, checkpoint: str, repeats: int, seconds: float,
         revisions = [Revision(rev, Path(tmp) / name) for name, rev in (("a", base), ("b", head))]
         images = Path(tmp) / "mix"
         images.mkdir()
-        for i, data in enumerate(make_mix()):
+        mix = make_mix()
+        for i, data in enumerate(mix):
             (images / f"{i}.png").write_bytes(data)
         stream = request_stream(requests)
         tower = alternate(
@@ -183,7 +184,7 @@ def compare(base: str, head: str, checkpoint: str, repeats: int, seconds: float,
     ]
     note = (
         f"Preset {checkpoint}; {repeats} repeats alternating {a} and {b}, {seconds:g} s per "
-        f"window. Tower: bench_encoder's mix of {len(make_mix())} images in one forward, one "
+        f"window. Tower: bench_encoder's mix of {len(mix)} images in one forward, one "
         f"torch thread. Served: each revision's shipped configs/config.yaml, {CLIENTS} clients, "
         f"{PER_REQUEST} distinct images per request (JSON), a fresh server per window (no cache "
         "hits). Figures: images/s, median (min–max); the ratio is per repeat."
