@@ -6,6 +6,10 @@ the library's own ``VisionEncoder`` whose ``forward`` first asks the test's
 rank's forwards wait until it releases them (and wait itself until a forward is
 held), raise, or return NaN features (a broken device: health checks fail).
 Actions are tied to the rank's process id, so a replacement process runs normally.
+A health-check probe is never held (``fail`` and ``nan`` still reach it): Serve probes
+a replica as soon as it runs and then every period, and a held probe would stand in for
+the request forward a test means to hold (``wait_held`` would return before that
+request reached the rank).
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ import ray
 import torch
 from ray import cloudpickle, serve
 
+from deployments.rank import _probe_image
 from kimi_encoder.encoder import VisionEncoder
 
 # Replicas cannot import the tests' modules: ship this one's classes by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+PROBE = _probe_image()  # the rank's health-check image
 
 
 @ray.remote(num_cpus=0)
@@ -51,10 +58,12 @@ class Switchboard:
         await self.held[rank].wait()
         return self.holding[rank]
 
-    async def enter(self, rank: int, pid: int) -> str:
+    async def enter(self, rank: int, pid: int, probe: bool = False) -> str:
         """Called by each forward: what it must do (after waiting, when held)."""
         mode, for_pid = self.modes.get(rank, ("run", None))
         if for_pid is not None and for_pid != pid:
+            return "run"
+        if mode == "hold" and probe:
             return "run"
         if mode == "hold":
             self.holding[rank] += 1
@@ -80,7 +89,8 @@ class ControlledEncoder(VisionEncoder):
         return encoder
 
     def forward(self, pixels, items):
-        action = ray.get(self.board.enter.remote(self.rank, os.getpid()))
+        probe = len(items) == 1 and items[0].image == PROBE
+        action = ray.get(self.board.enter.remote(self.rank, os.getpid(), probe))
         if action == "fail":
             raise RuntimeError(f"rank {self.rank}: the device failed (test)")
         features = super().forward(pixels, items)

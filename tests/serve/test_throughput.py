@@ -195,6 +195,7 @@ def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url, board)
     with cf.ThreadPoolExecutor(5) as pool:
         first = pool.submit(encode, two_ingress_url, items_of(big))
         ray.get(board.wait_held.remote(0), timeout=30)
+        wait_outstanding(two_ingress_url, 0, 1)  # what the ingress replicas' plans read
         later = [pool.submit(encode, two_ingress_url, items_of(s)) for s in smalls]
         answers = [f.result() for f in later]  # answered by rank 1 while rank 0 holds
         ray.get(board.set.remote(0, "run"))
