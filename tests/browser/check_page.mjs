@@ -40,6 +40,10 @@ try {
   });
   await page.waitForFunction((t) => Number(document.querySelector("#load").dataset.updated) > t,
                              firstUpdate, { timeout: 5000 });
+  // The model line comes from GET /v1/info, which asks every rank (and the hand-off
+  // registry) with a 10 s bound each: on a loaded machine it can land after the result.
+  await page.waitForFunction(() => document.querySelector("#model").textContent !== "connecting...",
+                             null, { timeout: 60000 });
   await page.screenshot({ path: screenshot, fullPage: true });
   console.log(JSON.stringify({ ...shown, ranksShown, consoleErrors, model: await page.textContent("#model") }));
 } finally {
