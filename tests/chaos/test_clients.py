@@ -26,10 +26,12 @@ from ray import serve
 from serve_helpers import app_args, b64
 
 from deployments.app import bind_app
+from deployments.args import AppArgs
 
 pytestmark = pytest.mark.chaos
 
 SLOW_CONNECTIONS = 100
+BODY_GRACE_S = AppArgs.model_fields["body_grace_s"].default  # the chaos apps keep it
 DEFAULT_LIMITS = dict(
     max_request_bytes=64 << 20,
     max_images_per_request=64,
@@ -174,13 +176,16 @@ def test_trickling_bodies_hold_no_slot_of_the_encode_path(apps, chaos_images):
     assert healthz.status_code == 200
     assert during["wrong"] == 0
     assert ok >= 0.95
-    # 2x on a quiet machine (docs/api.md); a loaded one adds its own noise. A held slot
-    # would show as 503s or a wait for the 10 s body deadline.
-    assert during["p99_s"] <= max(2 * unloaded["p99_s"], unloaded["p99_s"] + 1.0)
+    # A held slot shows as 503s (above) or as normal requests waiting for a trickling
+    # body's deadline (body_grace_s, 10 s from its start; tricklers start 50 ms apart,
+    # so a held request waits 5 s on average). The trickling sockets' own CPU (proxy,
+    # ingress, this process) slows normal requests too on 2 cores: 2x on a quiet machine,
+    # 3x (0.77 -> 2.37 s) with a busy core. The bound sits at half that average wait.
+    assert during["p99_s"] <= max(2 * unloaded["p99_s"], unloaded["p99_s"] + BODY_GRACE_S / 4)
     assert refused, "no trickling connection was answered"
     assert all(status in (408, 413) for status, _, _ in refused), refused[:5]
     assert all(kind in ("body_timeout", "limit_exceeded") for _, _, kind in refused)
-    assert all(seconds <= 10 + 3 for _, seconds, _ in refused)  # body_grace_s, the 2 s tick
+    assert all(seconds <= BODY_GRACE_S + 3 for _, seconds, _ in refused)  # + the 2 s tick
 
 
 def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
