@@ -9,8 +9,6 @@ from their headers alone.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -24,6 +22,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 
+from kimi_encoder import b64
 from kimi_encoder.config import PreprocessConfig, VisionConfig
 from kimi_encoder.engines.vllm import check_uuid
 from kimi_encoder.features import FEATURE_DTYPES
@@ -292,8 +291,8 @@ class Admission:
 
 def _b64(text: str, what: str, index: int) -> bytes:
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        return b64.decode(text)
+    except ValueError as exc:  # binascii.Error included
         raise EncoderInputError(
             f"{what} is not valid base64 ({exc}); send standard base64 (A-Z a-z 0-9 + /, "
             "padded with =) without line breaks.",

@@ -21,7 +21,6 @@ per payload byte).
 
 from __future__ import annotations
 
-import binascii
 import json
 import secrets
 from collections.abc import Callable, Mapping
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 from starlette.responses import JSONResponse, Response
 
+from kimi_encoder import b64
 from kimi_encoder.features import SAFETENSORS, safetensors_body
 from kimi_encoder.items import EncoderItem
 
@@ -38,12 +38,12 @@ from .fanout import Gathered
 from .schemas import ItemFeatures, Usage
 
 
-def b64(array: np.ndarray) -> bytes:
+def array_base64(array: np.ndarray) -> bytes:
     """Base64 (ASCII bytes) of an array's little-endian bytes, read from its buffer in place
     (a non-contiguous array is copied once)."""
     data = np.ascontiguousarray(array)
     assert data.dtype.byteorder != ">", data.dtype
-    return binascii.b2a_base64(data.reshape(-1).view(np.uint8), newline=False)
+    return b64.encode(data.reshape(-1).view(np.uint8))
 
 
 def json_body(payload: Mapping[str, Any]) -> bytes:
@@ -66,7 +66,7 @@ def json_body(payload: Mapping[str, Any]) -> bytes:
     for i, array in enumerate(arrays):
         before, found, rest = rest.partition(f"{marker}{i}@@")
         assert found, f"marker {i} missing from the JSON envelope"
-        parts += [before.encode(), b64(array)]
+        parts += [before.encode(), array_base64(array)]
     parts.append(rest.encode())
     return b"".join(parts)
 

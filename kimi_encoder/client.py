@@ -16,7 +16,6 @@ fails alone: the rest of its batch is retried without it.
 
 from __future__ import annotations
 
-import base64
 import glob
 import hashlib
 import json
@@ -36,6 +35,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from . import b64
 from .features import SAFETENSORS, read_safetensors, safetensors_body, to_float32
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
@@ -110,7 +110,7 @@ class EncoderClient:
     def encode(self, images: Sequence[bytes]) -> list[Encoded]:
         """Features of ``images`` (encoded files), in order. Raises ``EncodeError``."""
         body: dict[str, Any] = {
-            "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
+            "items": [{"type": "image", "image": b64.encode(b).decode()} for b in images],
             "response_format": "safetensors",
         }
         if self.backend:

@@ -12,7 +12,7 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.numpy import save as save_safetensors
 from safetensors.torch import load as load_torch
 
-from deployments.wire import b64, json_body
+from deployments.wire import array_base64, json_body
 from kimi_encoder.features import (
     SAFETENSORS,
     STORAGE,
@@ -30,9 +30,9 @@ def arrays() -> list[np.ndarray]:
     return out
 
 
-def test_b64_reads_the_array_buffer():
+def test_array_base64_reads_the_array_buffer():
     for a in arrays():
-        assert b64(a) == base64.b64encode(np.ascontiguousarray(a, "<f4").tobytes())
+        assert array_base64(a) == base64.b64encode(np.ascontiguousarray(a, "<f4").tobytes())
 
 
 def test_json_body_equals_plain_json():
@@ -40,7 +40,7 @@ def test_json_body_equals_plain_json():
     payload = {"model": "preset:tiny @@data-", "items": items, "usage": {"images": len(items)}}
     plain = {
         **payload,
-        "items": [{**it, "data": b64(it["data"]).decode()} for it in items],
+        "items": [{**it, "data": array_base64(it["data"]).decode()} for it in items],
     }
     assert json.loads(json_body(payload)) == plain
     assert json.loads(json_body({"items": [], "x": 1})) == {"items": [], "x": 1}
@@ -75,7 +75,7 @@ def test_each_feature_dtype_reads_back_with_safetensors_and_numpy(dtype):
     ours, name = read_safetensors(body)[0]["features.0"]
     assert name == dtype
     assert np.array_equal(to_float32(ours, name), rounded.float().numpy())
-    raw = base64.b64decode(b64(stored))
+    raw = base64.b64decode(array_base64(stored))
     values = to_float32(np.frombuffer(raw, dtype=STORAGE[dtype]).reshape(7, 80), dtype)
     np.testing.assert_array_equal(values, rounded.float().numpy())
 

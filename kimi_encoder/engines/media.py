@@ -9,8 +9,6 @@ a byte cap and a deadline. Local files and every other scheme are refused.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import http.client
 import ipaddress
 import re
@@ -20,6 +18,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from .. import b64
 from ..items import EncoderInputError, LimitExceededError
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -84,8 +83,8 @@ def decode_base64(text: str, max_bytes: int, index: int | None = None, *, what: 
             index,
         )
     try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
+        data = b64.decode(text)
+    except ValueError:  # binascii.Error included
         raise EncoderInputError(
             f"{what} is not valid base64 ({_short(text)}); send {INLINE_FORMS} without "
             "line breaks. Local file paths are refused.",
