@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import cpu
 from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
 from .serving import Cluster, Http, HttpError, Window, app_args, closed_loop, free_port
 
@@ -446,8 +447,76 @@ def throughput_section(m: Measured, s: Settings) -> Section:
             conditions(m, s),
             table(header, rows),
             table(ratio_header, ratios),
+            CPU_NOTE,
+            cpu_table(m),
         ],
     )
+
+
+CPU_NOTE = (
+    "Where the CPU went in the safetensors cells on cache hits, 1 and 2 ingress replicas: "
+    "cores busy on average over each window (CPU seconds / wall seconds, median of the "
+    "repeats), by process. When the machine is busy on every core with one ingress "
+    "replica, a second one has no core to run on and can only share them; it adds "
+    "throughput where the single replica's own core is the limit, as on a GPU node whose "
+    "ranks' work is on the GPUs."
+)
+
+
+def cpu_group(cell: Cell):
+    """Role (``benchmarks/cpu.py``) -> row of ``cpu_table`` for a window of ``cell``."""
+
+    def group(role: str) -> str:
+        if role.startswith(f"replica {cell.app}:EncodeServer"):
+            return "ingress replicas"
+        if role.startswith(f"replica {cell.app}:EncoderRank"):
+            return "ranks"
+        if role.startswith("replica "):
+            return "other replicas (idle apps, registry)"
+        return {cpu.PROXY: "Serve proxy", cpu.CLIENT: "clients (this process)"}.get(
+            role, "Ray system and controller"
+        )
+
+    return group
+
+
+CPU_ROWS = [
+    "ingress replicas",
+    "ranks",
+    "Serve proxy",
+    "clients (this process)",
+    "Ray system and controller",
+    "other replicas (idle apps, registry)",
+]
+
+
+def cpu_table(m: Measured) -> str:
+    cells = [Cell("hit", dtype, "safetensors", ingress) for dtype in DTYPES for ingress in INGRESS]
+    cells = [c for c in cells if c not in m.unsupported]
+
+    def cores(cell: Cell, figure) -> str:
+        return spread([figure(w) for w in m.windows[cell]]).fmt(2)
+
+    rows = [
+        [row, *(cores(c, lambda w, c=c, r=row: _cores(w, cpu_group(c)).get(r, 0.0)) for c in cells)]
+        for row in CPU_ROWS
+    ]
+    rows.append(
+        ["**all of ours**", *(cores(c, lambda w: w.usage.cores(w.usage.ours_s)) for c in cells)]
+    )
+    rows.append(
+        [
+            "machine busy",
+            *(cores(c, lambda w: w.usage.cores(w.usage.machine_busy_s)) for c in cells),
+        ]
+    )
+    rows.append(["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)])
+    header = ["cores busy", *(f"{c.dtype}, {c.ingress} ingress" for c in cells)]
+    return table(header, rows)
+
+
+def _cores(w: Window, group) -> dict[str, float]:
+    return {name: w.usage.cores(sec) for name, sec in w.usage.grouped(group).items()}
 
 
 def ceilings_section(m: Measured, s: Settings) -> Section:
@@ -516,8 +585,9 @@ COPY_ROWS = [
     ],
     [
         "ingress → proxy → socket",
-        "1–2 (Serve hands the body to its HTTP proxy through Ray, which writes it)",
-        "Ray Serve",
+        "2 or more: the replica pickles each ASGI message (`pickle.dumps`) for the proxy, "
+        "Ray carries it, the proxy unpickles it and writes the socket",
+        "Ray Serve (`ray/serve/_private/replica.py`)",
     ],
 ]
 

@@ -17,6 +17,11 @@ token, 1024 tokens (14.7 MB) per 896x896 image, sent as a JPEG of about 0.3 MB.
 The feature cache is on and warmed by a first pass, so both served paths move
 features rather than compute them. Closed loop, ``CLIENTS`` senders; MB/s counts
 feature bytes (frame 1; the safetensors ``features.*`` tensors) as they arrive.
+
+Each window also records the CPU time of every process (``benchmarks/cpu.py``):
+CPU-ms per part by role, and the rate those milliseconds allow on this machine's
+cores (the CPU-bound limit), so a path's distance from plain ZMQ is explained by
+measurement.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import requests
 import zmq
 from PIL import Image
@@ -41,6 +47,7 @@ from PIL import Image
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.weights import write_checkpoint
 
+from . import cpu
 from .common import Section, alternate, image, ratio, spread, standalone, table
 
 WIDTH = 7168  # Kimi-K3's text_hidden_size
@@ -49,6 +56,47 @@ IMAGES_PER_PART = 2
 PARTS = 4  # distinct parts, sent round robin (all cached after the warm-up)
 CLIENTS = 4
 HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
+APP = "handoff"
+# CPU roles in the order of the CPU table; the rest of Ray is one row.
+ROLES = {
+    f"replica {APP}:EncodeServer": "ingress",
+    f"replica {APP}:HandoffRegistry": "hand-off registry",
+    cpu.PROXY: "Serve proxy",
+    cpu.CLIENT: "clients and receiver (this process)",
+    cpu.CONTROLLER: "Serve controller",
+    cpu.RAY_SYSTEM: "Ray system (gcs, raylet, agents)",
+}
+RANKS = "ranks (2)"
+
+
+@dataclasses.dataclass
+class Run:
+    """One window of a path: feature MB/s, parts (messages) per second, how many, and
+    where the CPU went meanwhile."""
+
+    mb_per_s: float
+    per_s: float
+    count: int
+    usage: cpu.Usage
+
+    def cpu_ms(self, group: str | None = None) -> float:
+        """CPU-ms per part of one role group (``group_of``), or of all our processes."""
+        groups = self.usage.grouped(group_of)
+        seconds = self.usage.ours_s if group is None else groups.get(group, 0.0)
+        return seconds * 1e3 / max(self.count, 1)
+
+
+def group_of(role: str) -> str:
+    if role.startswith(f"replica {APP}:EncoderRank"):
+        return RANKS
+    return ROLES.get(role, "other")
+
+
+def with_cpu(run) -> Run:
+    """``run()`` -> (MB/s, per second, count), with the CPU of every process around it."""
+    before = cpu.snapshot()
+    mb, rate, count = run()
+    return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()))
 
 
 def write_wide_checkpoint(root: Path) -> Path:
@@ -150,8 +198,10 @@ def feature_bytes(body: bytes) -> int:
     )
 
 
-def handoff(url: str, sink: Sink, parts: list[list[bytes]], seconds: float) -> tuple[float, float]:
-    """(MB/s, parts/s) pushed to ``sink`` by the ingress."""
+def handoff(
+    url: str, sink: Sink, parts: list[list[bytes]], seconds: float
+) -> tuple[float, float, int]:
+    """(MB/s, parts/s, parts) pushed to ``sink`` by the ingress."""
     bodies = [part_body(i, images, sink.port) for i, images in enumerate(parts)]
 
     def send(body: dict) -> None:
@@ -162,11 +212,11 @@ def handoff(url: str, sink: Sink, parts: list[list[bytes]], seconds: float) -> t
     sent = closed_loop(send, bodies, CLIENTS, seconds)
     sink.wait_for(messages + sent)
     elapsed = sink.last - start
-    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed
+    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
 
 
-def http_body(url: str, parts: list[list[bytes]], seconds: float) -> tuple[float, float]:
-    """(MB/s, parts/s) of feature bytes in /v1/encode safetensors answers."""
+def http_body(url: str, parts: list[list[bytes]], seconds: float) -> tuple[float, float, int]:
+    """(MB/s, parts/s, parts) of feature bytes in /v1/encode safetensors answers."""
     bodies = [
         {
             "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
@@ -186,11 +236,14 @@ def http_body(url: str, parts: list[list[bytes]], seconds: float) -> tuple[float
     start = time.perf_counter()
     sent = closed_loop(send, bodies, CLIENTS, seconds)
     elapsed = time.perf_counter() - start
-    return received[0] / elapsed / 1e6, sent / elapsed
+    return received[0] / elapsed / 1e6, sent / elapsed, sent
 
 
-def plain_zmq(context: zmq.Context, sink: Sink, size: int, seconds: float) -> tuple[float, float]:
-    """(MB/s, messages/s) of two-frame messages of ``size`` bytes, one PUSH to ``sink``."""
+def plain_zmq(
+    context: zmq.Context, sink: Sink, size: int, seconds: float
+) -> tuple[float, float, int]:
+    """(MB/s, messages/s, messages) of two-frame messages of ``size`` bytes, one PUSH to
+    ``sink``."""
     push = context.socket(zmq.PUSH)
     push.connect(f"tcp://127.0.0.1:{sink.port}")
     payload = np.random.default_rng(0).integers(0, 255, size, dtype=np.uint8)
@@ -203,7 +256,7 @@ def plain_zmq(context: zmq.Context, sink: Sink, size: int, seconds: float) -> tu
     sink.wait_for(messages + sent)
     elapsed = sink.last - start
     push.close(linger=0)
-    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed
+    return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
 
 
 def warm_up(url: str, sink: Sink, parts: list[list[bytes]]) -> None:
@@ -233,7 +286,7 @@ def deploy(serve, base: str, checkpoint: Path) -> str:
         handoff_wait_s=60,
         feature_cache_bytes=1 << 30,  # every image of every part stays cached
     )
-    serve.run(bind_app(args), name="handoff", route_prefix="/handoff")
+    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
     return f"{base}/handoff"
 
 
@@ -258,10 +311,14 @@ def sections(quick: bool) -> list[Section]:
             warm_up(url, sink, parts)
             part_size = sink.bytes // max(sink.messages, 1)
             paths = {
-                "hand-off: /encode, pushed over ZMQ": lambda: handoff(url, sink, parts, window),
-                "HTTP body: /v1/encode safetensors": lambda: http_body(url, parts, window),
-                "plain ZMQ PUSH/PULL, same sizes": lambda: plain_zmq(
-                    context, sink, part_size, window
+                "hand-off: /encode, pushed over ZMQ": lambda: with_cpu(
+                    lambda: handoff(url, sink, parts, window)
+                ),
+                "HTTP body: /v1/encode safetensors": lambda: with_cpu(
+                    lambda: http_body(url, parts, window)
+                ),
+                "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
+                    lambda: plain_zmq(context, sink, part_size, window)
                 ),
             }
             measured = alternate(paths, repeats)
@@ -270,13 +327,13 @@ def sections(quick: bool) -> list[Section]:
             ray.shutdown()
             sink.close()
             context.term()
-    mb = {path: [m for m, _ in runs] for path, runs in measured.items()}
+    mb = {path: [run.mb_per_s for run in runs] for path, runs in measured.items()}
     ours, http, plain = mb.values()
     rows = [
         [
             path,
             spread(mb[path]).fmt(0),
-            spread([rate for _, rate in runs]).fmt(1),
+            spread([run.per_s for run in runs]).fmt(1),
             ratio(mb[path], plain).fmt(2, "x"),
         ]
         for path, runs in measured.items()
@@ -299,9 +356,34 @@ def sections(quick: bool) -> list[Section]:
         Section(
             "Engine hand-off",
             "python -m benchmarks.bench_handoff",
-            [note, table(HEADER, rows), verdict],
+            [note, table(HEADER, rows), verdict, *cpu_tables(measured)],
         )
     ]
+
+
+def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
+    """CPU-ms per part by role for each path, and the parts/s that CPU allows here."""
+    cores = psutil.cpu_count() or 1
+    names = list(measured)
+
+    def row(label: str, figure, digits: int = 1) -> list[str]:
+        return [label, *(spread([figure(r) for r in measured[n]]).fmt(digits) for n in names)]
+
+    groups = ["ingress", RANKS, *[g for g in ROLES.values() if g != "ingress"], "other"]
+    rows = [row(group, lambda r, g=group: r.cpu_ms(g)) for group in groups]
+    rows += [
+        row("**all of ours**", lambda r: r.cpu_ms()),
+        row("machine busy (cores)", lambda r: r.usage.cores(r.usage.machine_busy_s), 2),
+        row(f"CPU-bound limit on {cores} cores (parts/s)", lambda r: cores * 1e3 / r.cpu_ms()),
+        row("measured (parts/s)", lambda r: r.per_s),
+    ]
+    note = (
+        "CPU-ms per part (plain ZMQ: per message) by process, over the same windows; the "
+        f"limit is {cores} cores' milliseconds divided by all of ours per part. A path at its "
+        "limit with every core busy gets faster only by spending fewer CPU-ms per part; the "
+        "table shows whose they are."
+    )
+    return [note, table(["CPU-ms per part", *names], rows)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -347,6 +347,49 @@ def test_handoff_counts_only_the_feature_tensors_of_a_body():
     assert bench_handoff.feature_bytes(body) == (3 + 5) * 8 * 2
 
 
+def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
+    usage = cpu.Usage(
+        wall_s=2.0,
+        by_role={
+            "replica handoff:EncodeServer": 0.5,
+            "replica handoff:EncoderRank_0": 0.2,
+            "replica handoff:EncoderRank_1": 0.3,
+            cpu.PROXY: 0.1,
+            cpu.CLIENT: 0.25,
+            "replica other:Echo": 0.05,
+        },
+        machine_busy_s=3.8,
+        steal_s=0.0,
+    )
+    run = bench_handoff.Run(mb_per_s=100.0, per_s=5.0, count=10, usage=usage)
+    assert run.cpu_ms("ingress") == pytest.approx(50.0)
+    assert run.cpu_ms(bench_handoff.RANKS) == pytest.approx(50.0)
+    assert run.cpu_ms("clients and receiver (this process)") == pytest.approx(25.0)
+    assert run.cpu_ms("other") == pytest.approx(5.0)
+    assert run.cpu_ms() == pytest.approx(140.0)
+    text = bench_handoff.cpu_tables({"a": [run], "b": [run]})[1]
+    assert "| **all of ours** | 140.0 (140.0–140.0) | 140.0 (140.0–140.0) |" in text
+    assert "| machine busy (cores) | 1.90 (1.90–1.90) | 1.90 (1.90–1.90) |" in text
+
+
+@pytest.mark.parametrize(
+    ("role", "row"),
+    [
+        ("replica bytes-hit-2:EncodeServer", "ingress replicas"),
+        ("replica bytes-hit-2:EncoderRank_1", "ranks"),
+        ("replica bytes-hit-1:EncodeServer", "other replicas (idle apps, registry)"),
+        ("replica bytes-hit-2:HandoffRegistry", "other replicas (idle apps, registry)"),
+        (cpu.PROXY, "Serve proxy"),
+        (cpu.CLIENT, "clients (this process)"),
+        (cpu.RAY_SYSTEM, "Ray system and controller"),
+    ],
+)
+def test_bytes_cpu_rows_belong_to_the_cell_measured(role: str, row: str):
+    group = bench_bytes.cpu_group(bench_bytes.Cell("hit", "float32", "safetensors", 2))
+    assert group(role) == row
+    assert row in bench_bytes.CPU_ROWS
+
+
 def test_wire_benchmark_times_assembly_into_mapped_memory():
     """glibc keeps freed buffers mapped (a subprocess: the setting lasts for the process),
     and the benchmark's own paths give the same JSON and safetensors as the plain ones."""
