@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import cpu
+from . import bench_serve
 from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
 from .serving import Cluster, Http, HttpError, Window, app_args, closed_loop, free_port
 
@@ -448,7 +448,7 @@ def throughput_section(m: Measured, s: Settings) -> Section:
             table(header, rows),
             table(ratio_header, ratios),
             CPU_NOTE,
-            cpu_table(m),
+            cpu_table(m, s),
         ],
     )
 
@@ -463,60 +463,27 @@ CPU_NOTE = (
 )
 
 
-def cpu_group(cell: Cell):
-    """Role (``benchmarks/cpu.py``) -> row of ``cpu_table`` for a window of ``cell``."""
-
-    def group(role: str) -> str:
-        if role.startswith(f"replica {cell.app}:EncodeServer"):
-            return "ingress replicas"
-        if role.startswith(f"replica {cell.app}:EncoderRank"):
-            return "ranks"
-        if role.startswith("replica "):
-            return "other replicas (idle apps, registry)"
-        return {cpu.PROXY: "Serve proxy", cpu.CLIENT: "clients (this process)"}.get(
-            role, "Ray system and controller"
-        )
-
-    return group
-
-
-CPU_ROWS = [
-    "ingress replicas",
-    "ranks",
-    "Serve proxy",
-    "clients (this process)",
-    "Ray system and controller",
-    "other replicas (idle apps, registry)",
-]
-
-
-def cpu_table(m: Measured) -> str:
+def cpu_table(m: Measured, s: Settings) -> str:
+    """Cores busy by process (``bench_serve.labeller``) in the safetensors hit cells."""
     cells = [Cell("hit", dtype, "safetensors", ingress) for dtype in DTYPES for ingress in INGRESS]
     cells = [c for c in cells if c not in m.unsupported]
-
-    def cores(cell: Cell, figure) -> str:
-        return spread([figure(w) for w in m.windows[cell]]).fmt(2)
-
+    ranks = [f"rank {r}" for r in range(s.dp)]
+    names = [bench_serve.INGRESS, *ranks, *bench_serve.AROUND[1:]]
     rows = [
-        [row, *(cores(c, lambda w, c=c, r=row: _cores(w, cpu_group(c)).get(r, 0.0)) for c in cells)]
-        for row in CPU_ROWS
+        [name, *(bench_serve.cores(m.windows[c], c.app, name).fmt(2) for c in cells)]
+        for name in names
     ]
-    rows.append(
-        ["**all of ours**", *(cores(c, lambda w: w.usage.cores(w.usage.ours_s)) for c in cells)]
-    )
-    rows.append(
-        [
-            "machine busy",
-            *(cores(c, lambda w: w.usage.cores(w.usage.machine_busy_s)) for c in cells),
-        ]
-    )
-    rows.append(["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)])
+
+    def row(label: str, figure) -> list[str]:
+        return [label, *(spread([figure(w) for w in m.windows[c]]).fmt(2) for c in cells)]
+
+    rows += [
+        row("**all of ours**", lambda w: w.usage.cores(w.usage.ours_s)),
+        row("machine busy", lambda w: w.usage.cores(w.usage.machine_busy_s)),
+        ["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)],
+    ]
     header = ["cores busy", *(f"{c.dtype}, {c.ingress} ingress" for c in cells)]
     return table(header, rows)
-
-
-def _cores(w: Window, group) -> dict[str, float]:
-    return {name: w.usage.cores(sec) for name, sec in w.usage.grouped(group).items()}
 
 
 def ceilings_section(m: Measured, s: Settings) -> Section:

@@ -47,7 +47,7 @@ from PIL import Image
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.weights import write_checkpoint
 
-from . import cpu
+from . import bench_serve, cpu
 from .common import Section, alternate, image, ratio, spread, standalone, table
 
 WIDTH = 7168  # Kimi-K3's text_hidden_size
@@ -57,16 +57,6 @@ PARTS = 4  # distinct parts, sent round robin (all cached after the warm-up)
 CLIENTS = 4
 HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
 APP = "handoff"
-# CPU roles in the order of the CPU table; the rest of Ray is one row.
-ROLES = {
-    f"replica {APP}:EncodeServer": "ingress",
-    f"replica {APP}:HandoffRegistry": "hand-off registry",
-    cpu.PROXY: "Serve proxy",
-    cpu.CLIENT: "clients and receiver (this process)",
-    cpu.CONTROLLER: "Serve controller",
-    cpu.RAY_SYSTEM: "Ray system (gcs, raylet, agents)",
-}
-RANKS = "ranks (2)"
 
 
 @dataclasses.dataclass
@@ -79,17 +69,11 @@ class Run:
     count: int
     usage: cpu.Usage
 
-    def cpu_ms(self, group: str | None = None) -> float:
-        """CPU-ms per part of one role group (``group_of``), or of all our processes."""
-        groups = self.usage.grouped(group_of)
-        seconds = self.usage.ours_s if group is None else groups.get(group, 0.0)
+    def cpu_ms(self, label: str | None = None) -> float:
+        """CPU-ms per part of one process label (``bench_serve.labeller``), or of all ours."""
+        labels = self.usage.grouped(bench_serve.labeller(APP))
+        seconds = self.usage.ours_s if label is None else labels.get(label, 0.0)
         return seconds * 1e3 / max(self.count, 1)
-
-
-def group_of(role: str) -> str:
-    if role.startswith(f"replica {APP}:EncoderRank"):
-        return RANKS
-    return ROLES.get(role, "other")
 
 
 def with_cpu(run) -> Run:
@@ -287,7 +271,7 @@ def deploy(serve, base: str, checkpoint: Path) -> str:
         feature_cache_bytes=1 << 30,  # every image of every part stays cached
     )
     serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
-    return f"{base}/handoff"
+    return f"{base}/{APP}"
 
 
 def sections(quick: bool) -> list[Section]:
@@ -369,8 +353,8 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
     def row(label: str, figure, digits: int = 1) -> list[str]:
         return [label, *(spread([figure(r) for r in measured[n]]).fmt(digits) for n in names)]
 
-    groups = ["ingress", RANKS, *[g for g in ROLES.values() if g != "ingress"], "other"]
-    rows = [row(group, lambda r, g=group: r.cpu_ms(g)) for group in groups]
+    labels = [bench_serve.INGRESS, "rank 0", "rank 1", *bench_serve.AROUND[1:]]
+    rows = [row(label, lambda r, x=label: r.cpu_ms(x)) for label in labels]
     rows += [
         row("**all of ours**", lambda r: r.cpu_ms()),
         row("machine busy (cores)", lambda r: r.usage.cores(r.usage.machine_busy_s), 2),
@@ -378,7 +362,8 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
         row("measured (parts/s)", lambda r: r.per_s),
     ]
     note = (
-        "CPU-ms per part (plain ZMQ: per message) by process, over the same windows; the "
+        "CPU-ms per part (plain ZMQ: per message) by process (the ingress row includes the "
+        "hand-off registry replica), over the same windows; the "
         f"limit is {cores} cores' milliseconds divided by all of ours per part. A path at its "
         "limit with every core busy gets faster only by spending fewer CPU-ms per part; the "
         "table shows whose they are."

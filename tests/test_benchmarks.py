@@ -362,10 +362,11 @@ def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
         steal_s=0.0,
     )
     run = bench_handoff.Run(mb_per_s=100.0, per_s=5.0, count=10, usage=usage)
-    assert run.cpu_ms("ingress") == pytest.approx(50.0)
-    assert run.cpu_ms(bench_handoff.RANKS) == pytest.approx(50.0)
-    assert run.cpu_ms("clients and receiver (this process)") == pytest.approx(25.0)
-    assert run.cpu_ms("other") == pytest.approx(5.0)
+    assert run.cpu_ms(bench_serve.INGRESS) == pytest.approx(50.0)
+    assert run.cpu_ms("rank 0") == pytest.approx(20.0)
+    assert run.cpu_ms("rank 1") == pytest.approx(30.0)
+    assert run.cpu_ms(cpu.CLIENT) == pytest.approx(25.0)
+    assert run.cpu_ms(bench_serve.OTHER_APPS) == pytest.approx(5.0)
     assert run.cpu_ms() == pytest.approx(140.0)
     text = bench_handoff.cpu_tables({"a": [run], "b": [run]})[1]
     assert "| **all of ours** | 140.0 (140.0–140.0) | 140.0 (140.0–140.0) |" in text
@@ -373,21 +374,18 @@ def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
 
 
 @pytest.mark.parametrize(
-    ("role", "row"),
+    ("role", "label"),
     [
-        ("replica bytes-hit-2:EncodeServer", "ingress replicas"),
-        ("replica bytes-hit-2:EncoderRank_1", "ranks"),
-        ("replica bytes-hit-1:EncodeServer", "other replicas (idle apps, registry)"),
-        ("replica bytes-hit-2:HandoffRegistry", "other replicas (idle apps, registry)"),
-        (cpu.PROXY, "Serve proxy"),
-        (cpu.CLIENT, "clients (this process)"),
-        (cpu.RAY_SYSTEM, "Ray system and controller"),
+        ("replica bytes-hit-2:EncodeServer", bench_serve.INGRESS),
+        ("replica bytes-hit-2:EncoderRank_1", "rank 1"),
+        ("replica bytes-hit-1:EncodeServer", bench_serve.OTHER_APPS),
+        (cpu.PROXY, cpu.PROXY),
+        (cpu.CLIENT, cpu.CLIENT),
+        (cpu.RAY_SYSTEM, cpu.RAY_SYSTEM),
     ],
 )
-def test_bytes_cpu_rows_belong_to_the_cell_measured(role: str, row: str):
-    group = bench_bytes.cpu_group(bench_bytes.Cell("hit", "float32", "safetensors", 2))
-    assert group(role) == row
-    assert row in bench_bytes.CPU_ROWS
+def test_cpu_labels_belong_to_the_app_measured(role: str, label: str):
+    assert bench_serve.labeller("bytes-hit-2")(role) == label
 
 
 def test_wire_benchmark_times_assembly_into_mapped_memory():
