@@ -536,13 +536,14 @@ COPY_ROWS = [
         "`deployments/batcher.py` `_copy_stage`",
     ],
     [
-        "rank: one buffer per call",
-        "0 for a one-image call; 1 (`torch.cat`) when a call holds several images",
+        "rank: the call's answer",
+        "0: each image's buffer as it left the device, all in one answer",
         "`deployments/rank.py` `encode`",
     ],
     [
         "rank → ingress",
-        "1 (serialized into the object store; the ingress reads it in place)",
+        "1 (Ray writes the answer into one object-store object; the ingress reads each "
+        "array in place)",
         "Ray",
     ],
     [

@@ -148,8 +148,9 @@ class RankAnswer:
 
 @dataclass
 class Gathered:
-    """Every item's features in request order (views of the ranks' arrays, in ``dtype``'s
-    storage, see ``kimi_encoder.features``), who encoded it, and each rank's answer."""
+    """Every item's features in request order (the ranks' arrays, read in place from the
+    object store, in ``dtype``'s storage, see ``kimi_encoder.features``), who encoded it,
+    and each rank's answer."""
 
     features: list[np.ndarray]
     owners: list[int]
@@ -461,18 +462,16 @@ class FanOut:
         result, arrived_at = flight.task.result()
         rank = flight.rank
         assert result["rank"] == rank, (result["rank"], rank)
-        assert len(result["rows"]) == len(flight.plan.groups[rank]), (rank, flight.plan.groups)
+        assert len(result["features"]) == len(flight.plan.groups[rank]), (rank, flight.plan)
         assert result["dtype"] == gathered.dtype, (result["dtype"], gathered.dtype)
         started = flight.late_at - flight.late_after_s  # when it was sent
         self.health.mark_up(rank, getattr(flight.call, "replica", None), started)
         self.dispatcher.observe(rank, result.get("load"))
         self.dispatcher.record(flight.plan, only={rank})
         gathered.answers[rank] = RankAnswer(rank, result, arrived_at)
-        ends = np.cumsum(result["rows"])
-        starts = ends - np.asarray(result["rows"])
         for index, block in flight.covers.items():
             if gathered.features[index] is None:  # a hedged copy may have answered first
-                gathered.features[index] = result["features"][starts[block] : ends[block]]
+                gathered.features[index] = result["features"][block]
                 gathered.owners[index] = rank
 
     def _late(self, flight: _Flight, gathered: Gathered, unrouted: bool = False) -> None:

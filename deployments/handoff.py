@@ -24,7 +24,7 @@ output kind ``vllm_ec`` has each item's features written as an encoder-cache
 file under ``ec_root`` (atomically) before it is answered with their metadata.
 
 Copies of the features on the ingress: frame 1 of a part is one buffer, the
-ranks' row slices concatenated in item order (ZMQ sends from it; frame 0 is a
+items' arrays from the ranks concatenated in item order (ZMQ sends from it; frame 0 is a
 small pickle); an encoder-cache entry is one copy of its item's rows (the
 ranks' arrays are read-only views of the object store), which ``safetensors``
 writes to the file.
@@ -298,7 +298,7 @@ def part_frames(
     req: EncodeRequest, items: Sequence[EncoderItem], gathered: Gathered
 ) -> list[Frame]:
     """The part's two frames. Frame 1 is the ingress's one copy of the payload: the
-    ranks' row slices concatenated into one buffer, in item order."""
+    items' arrays from the ranks concatenated into one buffer, in item order."""
     payload = np.concatenate(gathered.features)  # (tokens, hidden), writable
     grids = torch.tensor([item.grid for item in items], dtype=torch.int64)
     sizes = [item.original_size for item in items]

@@ -90,9 +90,9 @@ class EncoderRank:
         caller: str = "",
         feature_dtype: str | None = None,
     ) -> dict:
-        """Features of ``items``: one contiguous array, their rows in input order, in
-        ``feature_dtype`` (the model's by default; bfloat16 as uint16 words, see
-        ``kimi_encoder.features``), with each item's row count.
+        """Features of ``items``: one array per item, in input order, in ``feature_dtype``
+        (the model's by default; bfloat16 as uint16 words, see ``kimi_encoder.features``),
+        with each item's row count.
 
         ``indices`` are the request's item indices, used only to name a bad item;
         ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
@@ -113,9 +113,12 @@ class EncoderRank:
         stages["queue_wait"] = stages.get("queue_wait", 0.0) + batch_stages.pop("queue_wait")
         stages.update(batch_stages)
         tensors = raise_first_error(results, indices)
-        # One buffer for the call: crosses Ray as one zero-copy array. A single image's
-        # features already are one (its own buffer); several are concatenated once.
-        features = to_numpy(tensors[0] if len(tensors) == 1 else torch.cat(tensors))
+        # Each image's features are already a host buffer of their own (the one copy that
+        # left the device, kept as is by the cache). The answer carries them as they are:
+        # Ray writes the whole answer into one object-store object, every array's bytes
+        # once, and the ingress reads each array in place. Concatenating them here first
+        # would copy every byte once more (4 ms per 14.7 MB on a 2-core EPYC).
+        features = [to_numpy(t) for t in tensors]
         backend = next((i.deferred.backend for i in items if i.deferred is not None), "none")
         rows = [len(t) for t in tensors]
         patches, tokens = sum(i.num_patches for i in items), sum(rows)
@@ -134,7 +137,6 @@ class EncoderRank:
             "rank": self.rank,
             "features": features,
             "dtype": dtype_name(tensors[0].dtype),
-            "rows": rows,
             "encode_ms": (time.perf_counter() - started) * 1e3,
             "stages_ms": stages,
             "done_at": time.time(),

@@ -1,22 +1,22 @@
 """Response bodies built from the ranks' feature arrays with one copy of the payload.
 
-The ranks return one contiguous array per call in the feature dtype (bfloat16 as
-raw 16-bit words, ``kimi_encoder.features``); on the ingress each item's
-features are a row slice of one of them, a read-only view of the object store.
-A body is then written once, never upcast:
+The ranks return each item's features as an array of its own in the feature dtype
+(bfloat16 as raw 16-bit words, ``kimi_encoder.features``), all of a call's in one
+object-store object; on the ingress each is a read-only view of that object. A
+body is then written once, never upcast:
 
 - JSON: the envelope (everything but the feature data) is dumped with
   ``json.dumps`` as usual, with a marker where each ``data`` string goes; the
-  markers are replaced by the base64 of each slice, encoded straight from its
+  markers are replaced by the base64 of each array, encoded straight from its
   buffer, and the pieces joined once. The straightforward path copies each
   array to ``bytes``, encodes, decodes to ``str``, dumps the whole document to a
   ``str`` and encodes that to UTF-8: four more full copies.
-- safetensors: header, then each slice's buffer (``memoryview``) joined once;
+- safetensors: header, then each array's buffer (``memoryview``) joined once;
   ``safetensors.numpy.save`` first copies every array to ``bytes`` and then
   copies them all again into its output (and has no bfloat16).
 
 Not streamed: Serve 2.60 pickles every ASGI message to its proxy, which takes
-``bytes``, so chunks of the slices cost the same copy as the join. Sent as 4 MB
+``bytes``, so chunks of the arrays cost the same copy as the join. Sent as 4 MB
 chunks, the served safetensors answers of ``bench_bytes`` (448x448 images at
 width 7168, 4 per request, dp 2, 4 clients, cache hits, 2-core EPYC, 5 repeats)
 moved 217 vs 219 MB/s in float32 and 145 vs 150 in bfloat16: no gain.

@@ -71,11 +71,10 @@ class FakeRank:
             if self.behaviour is not None:
                 await self.behaviour(self.rank, indices, items)
             features = [features_of(item) for item in items]
-            return {  # the rank's contract: one array, each item's row count
+            return {  # the rank's contract: one array per item, in the call's order
                 "rank": self.rank,
-                "features": np.concatenate(features),
+                "features": features,
                 "dtype": feature_dtype,
-                "rows": [len(f) for f in features],
                 "encode_ms": 1.0,
                 "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
                 "done_at": 0.0,

@@ -62,6 +62,26 @@ def test_json_and_safetensors_decode_to_the_same_tensors(url, images):
     assert meta["model"] == as_json["model"] == "preset:tiny"
 
 
+def test_a_rank_answers_each_image_as_an_array_read_in_place(url, images, reference):
+    """A rank call carries each image's features as the array it left the device in; the
+    caller reads every one in place from the object store, none copied on arrival."""
+    from ray import serve
+
+    app = url.rsplit("/", 1)[1]
+    rank = serve.get_deployment_handle("EncoderRank_0", app_name=app)
+    planned = [reference.plan(b) for b in images[:3]]
+    answer = rank.encode.remote([0, 1, 2], planned).result(timeout_s=120)
+    features = answer["features"]
+    assert isinstance(features, list)
+    assert len(features) == 3
+    with one_thread():
+        want = reference.encode(planned)
+    for array, ref in zip(features, want, strict=True):
+        assert not array.flags.writeable, "a copy made on arrival would be writable"
+        assert not array.flags.owndata
+        np.testing.assert_allclose(array, ref.numpy(), rtol=0, atol=1e-5)  # as test_parity
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_every_feature_dtype_and_format_is_the_float32_features_rounded(
     url, images, reference, dtype
