@@ -22,8 +22,13 @@ CONFIG ?= configs/config.yaml
 serve: $(STAMP)
 	$(VENV)/bin/serve run $(CONFIG)
 
+# The HTTP API, hand-off and bad-input suites run a second time behind Serve's HAProxy
+# ingress (README, "High-throughput ingress"): the variable is read when Serve starts.
+HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve/test_bad_inputs.py
+
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

