@@ -130,6 +130,11 @@ class Sink:
         self.sock.close(linger=0)
 
 
+def part_images() -> list[list[bytes]]:
+    """``PARTS`` parts of ``IMAGES_PER_PART`` seeded JPEGs each, the same in every run."""
+    return [[jpeg(SIDE, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(PARTS)]
+
+
 def closed_loop(send, jobs: list, clients: int, seconds: float) -> int:
     """Calls ``send(job)`` back to back from ``clients`` threads for ``seconds``; how many."""
     stop = time.perf_counter() + seconds
@@ -282,7 +287,7 @@ def sections(quick: bool) -> list[Section]:
 
     window = 3.0 if quick else 6.0
     repeats = 3 if quick else 5  # see bench_bytes.Settings.repeats
-    parts = [[jpeg(SIDE, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(PARTS)]
+    parts = part_images()
     context = zmq.Context()
     sink = Sink(context)
     with tempfile.TemporaryDirectory() as tmp:

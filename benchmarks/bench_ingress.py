@@ -43,22 +43,15 @@ START_TIMEOUT_S = 600
 def _serve(haproxy: str, checkpoint: str, conn) -> None:
     """A cluster of its own serving ``bench_handoff``'s app; sends its URL, then waits
     for any message and shuts down."""
-    os.environ[HAPROXY_ENV] = haproxy
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    import ray
+    os.environ[HAPROXY_ENV] = haproxy  # before Ray and Serve are imported and started
     from ray import serve
 
-    from .serving import free_port
+    from .serving import Cluster
 
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        conn.send(bench_handoff.deploy(serve, f"http://127.0.0.1:{port}", Path(checkpoint)))
+    with Cluster(logical_cpus=4) as cluster:
+        base = f"http://127.0.0.1:{cluster.port}"
+        conn.send(bench_handoff.deploy(serve, base, Path(checkpoint)))
         conn.recv()
-    finally:
-        serve.shutdown()
-        ray.shutdown()
 
 
 class Server:
@@ -88,13 +81,7 @@ class Server:
 def sections(quick: bool) -> list[Section]:
     window = 3.0 if quick else 6.0
     repeats = 3 if quick else 5
-    parts = [
-        [
-            bench_handoff.jpeg(bench_handoff.SIDE, seed=100 * p + i)
-            for i in range(bench_handoff.IMAGES_PER_PART)
-        ]
-        for p in range(bench_handoff.PARTS)
-    ]
+    parts = bench_handoff.part_images()
     context = zmq.Context()
     sink = bench_handoff.Sink(context)
     try:
