@@ -226,10 +226,15 @@ class Cell:
     dtype: str
     fmt: str
     ingress: int
+    tuned: bool = True  # False: the app's replicas get glibc_tunables '' (glibc's defaults)
 
     @property
     def app(self) -> str:
-        return f"bytes-{self.cache}-{self.ingress}"
+        return f"bytes-{self.cache}-{self.ingress}" + ("" if self.tuned else "-untuned")
+
+
+# Our default glibc_tunables against none, in the cells the ceilings' ratio targets.
+UNTUNED = [Cell("hit", dtype, "safetensors", 1, tuned=False) for dtype in DTYPES]
 
 
 @dataclass
@@ -273,42 +278,55 @@ def _b64_len(n: int) -> int:
 
 
 def measure(s: Settings, root: Path) -> Measured:
-    """Every cell, ours and the ceilings, alternated over ``s.repeats`` repeats."""
+    """Two phases, each with only its apps deployed: cache hits (ours and the ceilings,
+    which are compared with them), then misses; in each, every cell alternated over
+    ``s.repeats`` repeats."""
     ckpt = str(checkpoint(root, s.width))
     images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
     out = Measured()
     with Cluster() as cluster, PlainServer() as plain:
         client = Http(cluster.port)
-        deploy(cluster, ckpt, s)
-        setups = our_setups(client, images, s, out)
-        setups |= ceiling_setups(client, Http(plain.port), images, s, out)
-        out.windows = alternate(setups, s.repeats)
+        for cache in CACHE:
+            apps = deploy(cluster, ckpt, s, cache)
+            setups = our_setups(client, images, s, out, cache)
+            if cache == "hit":
+                setups |= ceiling_setups(client, Http(plain.port), images, s, out)
+            out.windows |= alternate(setups, s.repeats)
+            for app in apps:
+                cluster.delete(app)
     return out
 
 
-def deploy(cluster: Cluster, ckpt: str, s: Settings) -> None:
-    """Our app for each cache mode and ingress count, and the two ceiling apps."""
-    for cache in CACHE:
-        for ingress in INGRESS:
-            args = app_args(
-                ckpt,
-                s.dp,
-                ingress_replicas=ingress,
-                feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
-                **s.app_overrides,
-            )
-            cluster.deploy(Cell(cache, "float32", "json", ingress).app, _bind(args))
-    echo, hop = ceiling_apps()
-    cluster.deploy("echo", echo)
-    cluster.deploy("hop", hop)
+def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
+    """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, and
+    the two ceiling apps); the names of the apps."""
+    apps = []
+    for ingress in INGRESS:
+        args = app_args(
+            ckpt,
+            s.dp,
+            ingress_replicas=ingress,
+            feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
+            **s.app_overrides,
+        )
+        apps.append(cluster.deploy(Cell(cache, "float32", "json", ingress).app, _bind(args)))
+    if cache == "hit":
+        untuned = {**s.app_overrides, "glibc_tunables": ""}
+        args = app_args(ckpt, s.dp, feature_cache_bytes=256 << 20, **untuned)
+        apps.append(cluster.deploy(UNTUNED[0].app, _bind(args)))
+        echo, hop = ceiling_apps()
+        apps += [cluster.deploy("echo", echo), cluster.deploy("hop", hop)]
+    return [app.strip("/") for app in apps]
 
 
-def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
-    """A closed loop per cell the server supports (probed first: twice, so that a hit
-    cell's images are cached); the others go to ``out.unsupported``."""
+def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured, cache: str) -> dict:
+    """A closed loop per ``cache`` cell the server supports (probed first: twice, so that
+    a hit cell's images are cached); the others go to ``out.unsupported``."""
     setups = {}
-    for cache, dtype, fmt, ingress in itertools.product(CACHE, DTYPES, FORMATS, INGRESS):
-        cell = Cell(cache, dtype, fmt, ingress)
+    cells = [Cell(cache, *c) for c in itertools.product(DTYPES, FORMATS, INGRESS)]
+    cells += UNTUNED if cache == "hit" else []
+    for cell in cells:
+        dtype, fmt = cell.dtype, cell.fmt
         body = request_body(images, fmt, dtype)
         out.request_bytes = len(body)
         path = f"/{cell.app}/v1/encode"
@@ -518,10 +536,44 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             "prepared bytes. Serve + 1 hop: that deployment asks an inner deployment for "
             "the body as a numpy array (through the object store) and answers its bytes.",
             table(header, rows),
+            TUNED,
+            tuned_table(m),
             COPIES,
             table(["where", "full-size copies of the features", "code"], COPY_ROWS),
         ],
     )
+
+
+TUNED = (
+    "Our replicas run with `glibc_tunables` (default `glibc.malloc.hugetlb=1`: malloc on "
+    "transparent huge pages) in their environment; the ceilings' deployments and Serve's "
+    "proxy run with the cluster's (glibc's defaults). Ours with `glibc_tunables: ''`, in "
+    "the same repeats:"
+)
+
+
+def tuned_table(m: Measured) -> str:
+    rows = []
+    for untuned in UNTUNED:
+        tuned = dataclasses.replace(untuned, tuned=True)
+        hop = (CEILINGS[2], untuned.dtype, untuned.fmt)
+        rows.append(
+            [
+                f"{untuned.dtype} {untuned.fmt}",
+                cell_text(m, tuned, "MB"),
+                cell_text(m, untuned, "MB"),
+                ratio_text(m, tuned, untuned),
+                ratio_text(m, untuned, hop),
+            ]
+        )
+    header = [
+        "answer body (hits, 1 ingress)",
+        "default tunables: MB/s",
+        "none: MB/s",
+        "default / none",
+        "none / Serve + 1 hop",
+    ]
+    return table(header, rows)
 
 
 COPIES = (
@@ -566,8 +618,10 @@ def conditions(m: Measured, s: Settings) -> str:
         f"torch thread per rank; {s.images_per_request} images per request (JSON request "
         f"of {m.request_bytes / 1e6:.1f} MB), {s.clients} closed-loop clients; hits: the "
         "same images in every request, misses: cache off. "
-        f"{s.repeats} repeats alternating every cell, {s.window_s:g} s windows; median "
-        "(min–max); a ratio is the median of the per-repeat ratios."
+        "Two phases, each with only its own apps deployed (idle apps cost CPU): hits, with "
+        "the ceilings of the next section, then misses. "
+        f"{s.repeats} repeats alternating every cell of a phase, {s.window_s:g} s windows; "
+        "median (min–max); a ratio is the median of the per-repeat ratios."
     )
 
 

@@ -72,7 +72,7 @@ def bind_app(
         .options(
             name=rank_name(rank),
             num_replicas=1,
-            ray_actor_options=args.rank_actor_options.model_dump(),
+            ray_actor_options=args.rank_actor_options.model_dump() | args.replica_env(),
             **args.rank_options.model_dump(),
         )
         .bind(rank, args, encoder_factory)
@@ -81,7 +81,7 @@ def bind_app(
     ingress = serve.deployment(EncodeServer).options(
         name=INGRESS_NAME,
         num_replicas=args.ingress_replicas,
-        ray_actor_options=args.ingress_actor_options.model_dump(),
+        ray_actor_options=args.ingress_actor_options.model_dump() | args.replica_env(),
         backpressure_config=BACKPRESSURE,
         **args.ingress_options.model_dump(),
     )
@@ -90,7 +90,9 @@ def bind_app(
     registry = serve.deployment(HandoffRegistry).options(
         name=REGISTRY_NAME,
         num_replicas=1,
-        ray_actor_options=args.ingress_actor_options.model_dump() | {"num_cpus": 0},
+        ray_actor_options=args.ingress_actor_options.model_dump()
+        | args.replica_env()
+        | {"num_cpus": 0},
         max_ongoing_requests=args.handoff_max_pending + REGISTRY_SLOTS,
         max_queued_requests=args.handoff_max_pending,
         graceful_shutdown_wait_loop_s=args.ingress_options.graceful_shutdown_wait_loop_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import PurePath
 from typing import Literal
@@ -12,6 +13,15 @@ from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.items import resolve_backend
 
 from .batcher import BatchingConfig
+
+# What the replica processes ask of glibc's malloc: back its memory with transparent huge
+# pages (madvise mode; glibc >= 2.35, ignored by older ones and other C libraries). An
+# answer body of tens of MB is a fresh allocation each time, and every 4 KB page of it
+# faulted in and zeroed on first write: in the ingress under docs/benchmarks.md's
+# feature-bytes load, 25 % of its CPU went to those faults, and 4 KB-paged memory is also
+# returned (munmap) when freed. With huge pages one fault maps 2 MB.
+GLIBC_TUNABLES = "glibc.malloc.hugetlb=1"
+TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
 
 
 @dataclass(frozen=True)
@@ -312,6 +322,14 @@ class AppArgs(BaseModel):
         "after this many seconds.",
     )
 
+    glibc_tunables: str = Field(
+        GLIBC_TUNABLES,
+        description="GLIBC_TUNABLES of the app's replica processes (ingress, ranks, hand-off "
+        "registry): the default asks glibc's malloc to back its memory with transparent huge "
+        "pages, so each multi-MB answer body does not fault in fresh 4 KB pages; '' leaves "
+        "the cluster's environment as it is.",
+    )
+
     @field_validator("ec_root")
     @classmethod
     def _absolute_ec_root(cls, value: str | None) -> str | None:
@@ -319,6 +337,18 @@ class AppArgs(BaseModel):
             raise ValueError(
                 f"ec_root must be an absolute directory, got {value!r}; give the consumer's "
                 "shared_storage_path as it is mounted on the ingress's node."
+            )
+        return value
+
+    @field_validator("glibc_tunables")
+    @classmethod
+    def _tunables(cls, value: str) -> str:
+        bad = [t for t in value.split(":") if not TUNABLE.fullmatch(t)] if value else []
+        if bad:
+            raise ValueError(
+                f"glibc_tunables must be ':'-separated glibc.<namespace>.<name>=<value> "
+                f"entries (GLIBC_TUNABLES syntax), got {value!r} (bad: {bad}); for example "
+                f"{GLIBC_TUNABLES!r}, or '' to leave the environment as it is."
             )
         return value
 
@@ -356,6 +386,12 @@ class AppArgs(BaseModel):
                 f"{self.rank_actor_options.num_gpus}); set num_gpus: 1 or use device 'cpu'."
             )
         return self
+
+    def replica_env(self) -> dict:
+        """``ray_actor_options`` entries every replica of the app gets (its environment)."""
+        if not self.glibc_tunables:
+            return {}
+        return {"runtime_env": {"env_vars": {"GLIBC_TUNABLES": self.glibc_tunables}}}
 
     def rank_resources(self) -> dict[str, float]:
         """Ray resources of each rank: ``ray_actor_options`` in Ray's resource names."""

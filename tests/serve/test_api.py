@@ -84,6 +84,26 @@ def test_the_port_is_served_by_the_ingress_the_environment_asks_for(url):
         assert command.startswith("ray::ProxyActor"), command
 
 
+def test_every_replica_process_runs_with_the_args_glibc_tunables(url):
+    """The app's replica processes (ingress, hand-off registry, both ranks) were started
+    with ``glibc_tunables`` (default: malloc on transparent huge pages) in their
+    environment, which glibc reads when a process starts."""
+    from deployments.args import AppArgs
+
+    app = url.rsplit("/", 1)[1]
+    found = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        command = " ".join(proc.info["cmdline"] or [])
+        prefix = f"ray::ServeReplica:{app}:"
+        if command.startswith(prefix):
+            name = command.removeprefix(prefix).split()[0].split(".")[0]
+            found[name] = proc.environ().get("GLIBC_TUNABLES")
+    want = AppArgs().glibc_tunables
+    assert found == dict.fromkeys(
+        ["EncodeServer", "HandoffRegistry", "EncoderRank_0", "EncoderRank_1"], want
+    )
+
+
 def test_a_rank_answers_each_image_as_an_array_read_in_place(url, images, reference):
     """A rank call carries each image's features as the array it left the device in; the
     caller reads every one in place from the object store, none copied on arrival."""

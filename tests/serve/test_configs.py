@@ -45,7 +45,7 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
         config = deployment._deployment_config
         actor = args.rank_actor_options if is_rank else args.ingress_actor_options
         options = args.rank_options if is_rank else args.ingress_options
-        assert deployment.ray_actor_options == actor.model_dump(), name
+        assert deployment.ray_actor_options == actor.model_dump() | args.replica_env(), name
         for field, value in options.model_dump().items():
             assert getattr(config, field) == value, (name, field)
     assert built[INGRESS_NAME].num_replicas == args.ingress_replicas
@@ -80,6 +80,12 @@ def test_cpu_config_fits_two_cores():
         ({"num_ranks": 2}, "Extra inputs are not permitted"),
         ({"ingress_actor_options": {"num_gpus": 1}}, "ingress_actor_options.num_gpus must be 0"),
         ({"ec_root": "ec"}, "ec_root must be an absolute directory, got 'ec'"),
+        (
+            {"glibc_tunables": "hugetlb=1"},
+            r"glibc_tunables must be ':'-separated glibc.<namespace>.<name>=<value> entries "
+            r"\(GLIBC_TUNABLES syntax\), got 'hugetlb=1' \(bad: \['hugetlb=1'\]\)",
+        ),
+        ({"glibc_tunables": "glibc.malloc.hugetlb=1:"}, r"bad: \[''\]"),
         ({"image_urls": {"max_bytes": 0}}, "image_urls.max_bytes"),
         ({"rank_options": {"max_ongoing_requests": 0}}, "max_ongoing_requests"),
         (
@@ -95,6 +101,8 @@ def test_cpu_config_fits_two_cores():
         "extra",
         "ingress-gpu",
         "ec-root",
+        "tunables",
+        "tunables-empty-entry",
         "url-bytes",
         "ongoing",
         "queue",
@@ -103,6 +111,22 @@ def test_cpu_config_fits_two_cores():
 def test_bad_args_fail_validation(args, fragment):
     with pytest.raises(ValidationError, match=fragment):
         AppArgs.model_validate(args)
+
+
+@pytest.mark.parametrize("tunables", [None, "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2", ""])
+def test_every_replica_gets_the_glibc_tunables_of_the_args(tunables):
+    """The ingress, the hand-off registry and every rank run with ``glibc_tunables`` as
+    their GLIBC_TUNABLES (huge pages for malloc by default); '' leaves their environment
+    to the cluster's."""
+    args = AppArgs(dp_size=2) if tunables is None else AppArgs(dp_size=2, glibc_tunables=tunables)
+    built = build_deployments(build_app(args), name="app").deployments
+    assert {d.name for d in built} == {INGRESS_NAME, REGISTRY_NAME, rank_name(0), rank_name(1)}
+    for deployment in built:
+        env = deployment.ray_actor_options.get("runtime_env", {}).get("env_vars", {})
+        if tunables == "":
+            assert "GLIBC_TUNABLES" not in env, deployment.name
+        else:
+            assert env["GLIBC_TUNABLES"] == (tunables or "glibc.malloc.hugetlb=1"), deployment.name
 
 
 def test_every_arg_is_documented():
