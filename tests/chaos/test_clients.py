@@ -178,10 +178,12 @@ def test_trickling_bodies_hold_no_slot_of_the_encode_path(apps, chaos_images):
     assert ok >= 0.95
     # A held slot shows as 503s (above) or as normal requests waiting for a trickling
     # body's deadline (body_grace_s, 10 s from its start; tricklers start 50 ms apart,
-    # so a held request waits 5 s on average). The trickling sockets' own CPU (proxy,
-    # ingress, this process) slows normal requests too on 2 cores: 2x on a quiet machine,
-    # 3x (0.77 -> 2.37 s) with a busy core. The bound sits at half that average wait.
-    assert during["p99_s"] <= max(2 * unloaded["p99_s"], unloaded["p99_s"] + BODY_GRACE_S / 4)
+    # so a held request waits 5 s on average, and with every slot held
+    # every request waits up to 10 s). The trickling sockets' own CPU (proxy, ingress,
+    # this process) slows normal requests too on 2 cores: 2x on a quiet machine, 4x with
+    # a busy core (p99 0.79 -> 3.19 s and 0.92 -> 3.55 s in two runs). The bound is that
+    # average wait of a held request on top of the unloaded p99.
+    assert during["p99_s"] <= max(2 * unloaded["p99_s"], unloaded["p99_s"] + BODY_GRACE_S / 2)
     assert refused, "no trickling connection was answered"
     assert all(status in (408, 413) for status, _, _ in refused), refused[:5]
     assert all(kind in ("body_timeout", "limit_exceeded") for _, _, kind in refused)
