@@ -81,13 +81,18 @@ def test_one_rank_killed_under_load(url, chaos_images):
         rejoin_s = wait_rejoined(load, 1, killed_at)
         time.sleep(max(0.0, killed_at + 2 * RUN_S / 3 - time.monotonic()))
     outcomes = load.outcomes
-    figures = summary(outcomes)
-    print(f"\none rank killed: {figures}; replacement took work {rejoin_s:.1f} s after")
+    figures, before = summary(outcomes), summary(load.since(0.0, killed_at))
+    print(f"\none rank killed: {figures}; before the kill {before}; replacement took work "
+          f"{rejoin_s:.1f} s after")  # fmt: skip
     assert figures["wrong"] == 0
     assert figures["lost"] == 0
     assert figures["statuses"] == {200: figures["requests"]}
-    assert figures["p99_s"] <= 2.0
-    assert figures["max_s"] <= 3.0
+    # A request that waited for the replacement would take its start (14-22 s on a quiet
+    # machine, 50-74 s with a busy core). One rank doing both ranks' work is slower by
+    # itself: 2x for closed-loop clients. Quiet machine: p99 0.58 s, max 0.68 s (docs/api.md);
+    # busy core: p99 1.37-2.14 s, max 1.76-2.68 s in four runs, the whole load 4x slower.
+    assert figures["p99_s"] <= max(2.0, 3 * before["p99_s"])
+    assert figures["max_s"] <= max(3.0, 3 * before["max_s"])
 
 
 def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
