@@ -14,10 +14,12 @@ per rank. Cells:
   ``feature_dtype``), JSON or safetensors answers, 1 or 2 ingress replicas.
 
 A server without ``feature_dtype`` answers 422 to it; such a cell is reported as
-not supported. Next to them, in the same repeats and with the same request and
-response body sizes, three ceilings: a plain loopback HTTP server (stdlib, one
+not supported. Next to the hit cells, in the same repeats and with the same request
+and response body sizes, three ceilings: a plain loopback HTTP server (stdlib, one
 process), a trivial Serve deployment returning the body, and that deployment
-behind one deployment-handle hop (the inner returns the body as a numpy array).
+behind one deployment-handle hop (the inner returns the body as a numpy array);
+and ours with ``glibc_tunables: ''`` (glibc's malloc defaults, as the ceilings
+run). Hits and misses are two phases, each with only its own apps deployed.
 """
 
 from __future__ import annotations
