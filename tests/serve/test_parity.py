@@ -7,8 +7,6 @@ import pytest
 import torch
 from serve_helpers import b64, decode_features, encode, one_thread, rank_calls
 
-from kimi_encoder.assign import assign_owners
-
 pytestmark = pytest.mark.serve
 
 COUNTS = (1, 2, 5, 9)
@@ -31,7 +29,12 @@ def test_features_match_in_process_encoder(deploy, images, expected, dp_size, nu
     want = expected[num_images]
     assert [item["index"] for item in body["items"]] == list(range(num_images))
     patches = [int(np.prod(item["grid_thw"])) for item in body["items"]]
-    assert [item["owner_rank"] for item in body["items"]] == assign_owners(patches, dp_size)
+    # Which rank answered depends on timing: a call late past rank_slow_after_s (1 s; dp 3
+    # on 2 cores with one busy reached it) makes its rank slow, and its images go to the
+    # others too (first answer wins). The owners are asserted to be ranks of this app; the
+    # assignment itself is tested in tests/test_assign.py and test_only_owning_ranks_are_called.
+    owners = [item["owner_rank"] for item in body["items"]]
+    assert set(owners) <= set(range(dp_size)), owners
     for item, ref in zip(body["items"], want, strict=True):
         got = decode_features(item)
         assert item["grid_thw"][0] == 1
