@@ -302,20 +302,19 @@ def measure(s: Settings, root: Path) -> Measured:
 def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
     """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, and
     the two ceiling apps); the names of the apps."""
+    cells = [Cell(cache, "float32", "json", ingress) for ingress in INGRESS]
+    cells += UNTUNED[:1] if cache == "hit" else []  # one app serves every dtype and format
     apps = []
-    for ingress in INGRESS:
+    for cell in cells:
         args = app_args(
             ckpt,
             s.dp,
-            ingress_replicas=ingress,
+            ingress_replicas=cell.ingress,
             feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
-            **s.app_overrides,
+            **{**s.app_overrides, **({} if cell.tuned else {"glibc_tunables": ""})},
         )
-        apps.append(cluster.deploy(Cell(cache, "float32", "json", ingress).app, _bind(args)))
+        apps.append(cluster.deploy(cell.app, _bind(args)))
     if cache == "hit":
-        untuned = {**s.app_overrides, "glibc_tunables": ""}
-        args = app_args(ckpt, s.dp, feature_cache_bytes=256 << 20, **untuned)
-        apps.append(cluster.deploy(UNTUNED[0].app, _bind(args)))
         echo, hop = ceiling_apps()
         apps += [cluster.deploy("echo", echo), cluster.deploy("hop", hop)]
     return [app.strip("/") for app in apps]

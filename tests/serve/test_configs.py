@@ -13,7 +13,7 @@ from ray.serve._private.build_app import build_app as build_deployments  # names
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import INGRESS_NAME, REGISTRY_NAME, build_app, rank_name
-from deployments.args import AppArgs
+from deployments.args import GLIBC_TUNABLES, AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -126,7 +126,7 @@ def test_every_replica_gets_the_glibc_tunables_of_the_args(tunables):
         if tunables == "":
             assert "GLIBC_TUNABLES" not in env, deployment.name
         else:
-            assert env["GLIBC_TUNABLES"] == (tunables or "glibc.malloc.hugetlb=1"), deployment.name
+            assert env["GLIBC_TUNABLES"] == (tunables or GLIBC_TUNABLES), deployment.name
 
 
 def test_every_arg_is_documented():
