@@ -252,14 +252,14 @@ class RankBatcher:
         """Cheap report: each caller's queued or running work, and this rank's cost model."""
         return {
             "by_caller": {c: w.as_list() for c, w in self._outstanding.by_caller.items()},
-            "cost_model": asdict(self.cost_model),
+            "cost_model": self.cost_model.as_dict(),
         }
 
     def info(self) -> dict:
         total = self._outstanding.total()
         return {
             "num_threads": self.worker_threads,
-            "cost_model": {**asdict(self.cost_model), **self.calibration},
+            "cost_model": {**self.cost_model.as_dict(), **self.calibration},
             "batching": {
                 "max_batch_patches": self.config.max_batch_patches,
                 "max_batch_wait_ms": self.config.max_batch_wait_ms,

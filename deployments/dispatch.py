@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from kimi_encoder.assign import assign_owners, group_by_owner
@@ -214,7 +214,7 @@ class Dispatcher:
     def info(self) -> dict[str, Any]:
         return {
             "caller": self.caller,
-            "cost_model": {**asdict(self.cost_model), "source": self._source()},
+            "cost_model": {**self.cost_model.as_dict(), "source": self._source()},
             "loads": [round(v, 6) for v in self.loads()],
             "affinity_tolerance": self.tolerance,
             "load_report_interval_ms": self.report_interval_s * 1e3,

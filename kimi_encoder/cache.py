@@ -2,7 +2,8 @@
 
 A key covers everything that changes an item's features: the model's weight
 fingerprint, the dtype, the item's grid, and either the original file bytes
-with the whole deferred-preprocessing record (backend, normalization,
+(as their SHA-256, computed once per item and carried with it from the ingress
+to the rank) with the whole deferred-preprocessing record (backend, normalization,
 background, resize) and the image size, or the pixel tensor's dtype, shape and
 bytes. Fields are length-prefixed before hashing, so no two different inputs
 share a byte stream; the digest is the full SHA-256, never truncated and never
@@ -15,7 +16,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -53,9 +54,9 @@ def item_key(item: EncoderItem, model_id: str, dtype: str) -> str:
     else:
         if item.image is None or item.deferred is None:
             raise ValueError("cannot key an image item without its bytes and deferred record")
-        _field(h, "image", item.image)
+        _field(h, "image-sha256", item.image_digest())
         _field(h, "size", json.dumps(item.original_size).encode())
-        _field(h, "preprocess", json.dumps(asdict(item.deferred), sort_keys=True).encode())
+        _field(h, "preprocess", json.dumps(item.deferred, default=vars, sort_keys=True).encode())
     return h.hexdigest()
 
 

@@ -1,6 +1,7 @@
 """Feature cache keys cover everything that changes features; the LRU is bounded in bytes."""
 
 import dataclasses
+import pickle
 
 import numpy as np
 import pytest
@@ -27,6 +28,14 @@ def test_transposed_shapes_same_bytes_differ(encoder):
     assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
     fa, fb = encoder.encode([a, b])
     assert fa.shape != fb.shape or not torch.equal(fa, fb)
+
+
+def test_key_follows_replaced_image_bytes():
+    a = plan_image(gray_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
+    key = item_key(a, "m", "float32")  # computes and keeps a's image digest
+    b = dataclasses.replace(a, image=gray_png(bytes(range(255, -1, -1)) * 4, (32, 32)))
+    assert item_key(b, "m", "float32") != key
+    assert item_key(pickle.loads(pickle.dumps(a)), "m", "float32") == key
 
 
 def test_pixel_tensor_shape_is_part_of_key():

@@ -1,6 +1,9 @@
 """Admission: resize math, grids from headers, modality gate, splitting, backends."""
 
+import dataclasses
+import hashlib
 import io
+import pickle
 import struct
 import zlib
 
@@ -73,6 +76,28 @@ def test_plan_reads_header_only():
     assert item.original_size == (300, 200)
     assert item.grid_thws.tolist() == [[1, 16, 22]]
     assert item.deferred.backend == "cpu"
+
+
+def test_item_pickles_its_grid_as_ints_and_keeps_everything():
+    data = image_bytes("RGB", (300, 200))
+    item = plan_image(data, TINY, "cpu")
+    item.image_digest()
+    blob = pickle.dumps(item)
+    assert b"torch" not in blob  # nothing goes through torch's serializer
+    back = pickle.loads(blob)
+    assert back.grid_thws.dtype == torch.int64
+    assert back.grid_thws.tolist() == item.grid_thws.tolist() == [[1, 16, 22]]
+    assert (back.image, back.deferred, back.original_size) == (data, item.deferred, (300, 200))
+    assert back.image_sha256 == hashlib.sha256(data).digest()  # the digest travels along
+    pixels = split_pixel_values(torch.randn(12, 3, 14, 14), torch.tensor([[1, 2, 2], [1, 2, 4]]))
+    for one in pixels:
+        again = pickle.loads(pickle.dumps(one))
+        assert torch.equal(again.grid_thws, one.grid_thws)
+        assert torch.equal(again.pixel_values, one.pixel_values)
+    odd = dataclasses.replace(item, grid_thws=torch.tensor([[1, 16, 22]], dtype=torch.int32))
+    assert pickle.loads(pickle.dumps(odd)).grid_thws.dtype == torch.int32  # kept as it is
+    empty = dataclasses.replace(item, grid_thws=torch.zeros((0, 3), dtype=torch.int64))
+    assert pickle.loads(pickle.dumps(empty)).grid_thws.shape == (0, 3)
 
 
 @pytest.mark.parametrize("modality", ["video", "audio", Modality.VIDEO, "text"])
