@@ -17,6 +17,11 @@ token, 1024 tokens (14.7 MB) per 896x896 image, sent as a JPEG of about 0.3 MB.
 The feature cache is on and warmed by a first pass, so both served paths move
 features rather than compute them. Closed loop, ``CLIENTS`` senders; MB/s counts
 feature bytes (frame 1; the safetensors ``features.*`` tensors) as they arrive.
+Both served paths post the same prepared JSON bodies with the same client
+(``serving.Http``: ``http.client``, one kept-alive connection per thread), which
+reads a 29 MB answer for about 10 ms of CPU where ``requests``' ``.content``
+takes about 140 ms: on this machine's two cores a slow client would slow the
+HTTP path by its own CPU, not the server's.
 
 Each window also records the CPU time of every process (``benchmarks/cpu.py``):
 CPU-ms per part by role, and the rate those milliseconds allow on this machine's
@@ -40,7 +45,6 @@ from pathlib import Path
 
 import numpy as np
 import psutil
-import requests
 import zmq
 from PIL import Image
 
@@ -49,6 +53,7 @@ from kimi_encoder.weights import write_checkpoint
 
 from . import bench_serve, cpu
 from .common import Section, alternate, image, ratio, spread, standalone, table
+from .serving import Http, free_port
 
 WIDTH = 7168  # Kimi-K3's text_hidden_size
 SIDE = 896  # 64 x 64 patches, 1024 tokens
@@ -154,15 +159,6 @@ def closed_loop(send, jobs: list, clients: int, seconds: float) -> int:
     return done[0]
 
 
-_local = threading.local()
-
-
-def _session() -> requests.Session:
-    if not hasattr(_local, "session"):
-        _local.session = requests.Session()
-    return _local.session
-
-
 def part_body(index: int, images: list[bytes], port: int) -> dict:
     return {
         "req_id": f"bench{index}_local_part_0",
@@ -188,14 +184,15 @@ def feature_bytes(body: bytes) -> int:
 
 
 def handoff(
-    url: str, sink: Sink, parts: list[list[bytes]], seconds: float
+    client: Http, prefix: str, sink: Sink, parts: list[list[bytes]], seconds: float
 ) -> tuple[float, float, int]:
     """(MB/s, parts/s, parts) pushed to ``sink`` by the ingress."""
-    bodies = [part_body(i, images, sink.port) for i, images in enumerate(parts)]
+    bodies = [
+        json.dumps(part_body(i, images, sink.port)).encode() for i, images in enumerate(parts)
+    ]
 
-    def send(body: dict) -> None:
-        response = _session().post(f"{url}/encode", json=body, timeout=600)
-        response.raise_for_status()
+    def send(body: bytes) -> None:
+        client.post(f"{prefix}/encode", body, "application/json")
 
     messages, nbytes, start = sink.messages, sink.bytes, time.perf_counter()
     sent = closed_loop(send, bodies, CLIENTS, seconds)
@@ -204,23 +201,26 @@ def handoff(
     return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
 
 
-def http_body(url: str, parts: list[list[bytes]], seconds: float) -> tuple[float, float, int]:
+def http_body(
+    client: Http, prefix: str, parts: list[list[bytes]], seconds: float
+) -> tuple[float, float, int]:
     """(MB/s, parts/s, parts) of feature bytes in /v1/encode safetensors answers."""
     bodies = [
-        {
-            "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
-            "response_format": "safetensors",
-        }
+        json.dumps(
+            {
+                "items": [{"type": "image", "image": base64.b64encode(b).decode()} for b in images],
+                "response_format": "safetensors",
+            }
+        ).encode()
         for images in parts
     ]
     received = [0]
     lock = threading.Lock()
 
-    def send(body: dict) -> None:
-        response = _session().post(f"{url}/v1/encode", json=body, timeout=600)
-        response.raise_for_status()
+    def send(body: bytes) -> None:
+        answer, _ = client.post(f"{prefix}/v1/encode", body, "application/json")
         with lock:
-            received[0] += feature_bytes(response.content)
+            received[0] += feature_bytes(answer)
 
     start = time.perf_counter()
     sent = closed_loop(send, bodies, CLIENTS, seconds)
@@ -248,18 +248,19 @@ def plain_zmq(
     return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
 
 
-def warm_up(url: str, sink: Sink, parts: list[list[bytes]]) -> None:
+def warm_up(client: Http, prefix: str, sink: Sink, parts: list[list[bytes]]) -> None:
     """Every part once on both paths: the ranks' caches hold all images afterwards."""
     messages = sink.messages
     for i, images in enumerate(parts):
         body = part_body(i, images, sink.port)
-        _session().post(f"{url}/encode", json=body, timeout=600).raise_for_status()
+        client.post(f"{prefix}/encode", json.dumps(body).encode(), "application/json")
         items = [{"type": "image", "image": item.split(",", 1)[1]} for item in body["mm_items"]]
-        _session().post(f"{url}/v1/encode", json={"items": items}, timeout=600).raise_for_status()
+        encode = json.dumps({"items": items}).encode()
+        client.post(f"{prefix}/v1/encode", encode, "application/json")
     sink.wait_for(messages + len(parts))
 
 
-def deploy(serve, base: str, checkpoint: Path) -> str:
+def deploy(serve, checkpoint: Path) -> str:
     from deployments.app import bind_app
     from deployments.args import AppArgs
 
@@ -276,14 +277,12 @@ def deploy(serve, base: str, checkpoint: Path) -> str:
         feature_cache_bytes=1 << 30,  # every image of every part stays cached
     )
     serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
-    return f"{base}/{APP}"
+    return f"/{APP}"
 
 
 def sections(quick: bool) -> list[Section]:
     import ray
     from ray import serve
-
-    from .serving import free_port
 
     window = 3.0 if quick else 6.0
     repeats = 3 if quick else 5  # see bench_bytes.Settings.repeats
@@ -296,15 +295,16 @@ def sections(quick: bool) -> list[Section]:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
-            url = deploy(serve, f"http://127.0.0.1:{port}", checkpoint)
-            warm_up(url, sink, parts)
+            client = Http(port)
+            prefix = deploy(serve, checkpoint)
+            warm_up(client, prefix, sink, parts)
             part_size = sink.bytes // max(sink.messages, 1)
             paths = {
                 "hand-off: /encode, pushed over ZMQ": lambda: with_cpu(
-                    lambda: handoff(url, sink, parts, window)
+                    lambda: handoff(client, prefix, sink, parts, window)
                 ),
                 "HTTP body: /v1/encode safetensors": lambda: with_cpu(
-                    lambda: http_body(url, parts, window)
+                    lambda: http_body(client, prefix, parts, window)
                 ),
                 "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
                     lambda: plain_zmq(context, sink, part_size, window)
@@ -331,7 +331,8 @@ def sections(quick: bool) -> list[Section]:
         f"Tiny tower with Kimi-K3's text_hidden_size {WIDTH} and K3 preprocessing, bfloat16, "
         f"dp 2 on this machine's CPU; {IMAGES_PER_PART} JPEG images of {SIDE}x{SIDE} px per "
         f"part ({part_size / 1e6:.1f} MB of features), {PARTS} parts round robin (cached "
-        f"after a warm-up), {CLIENTS} clients, closed loop; {window:g} s per path, "
+        f"after a warm-up), {CLIENTS} clients, closed loop, the same `http.client` sender "
+        f"and prepared JSON bodies on both served paths; {window:g} s per path, "
         f"{repeats} repeats alternating the paths: median (min–max)."
     )
     verdict = table(
