@@ -23,9 +23,10 @@ vLLM 0.33.0 (``kimi_encoder.engines.vllm``): a ``/v1/encode`` request with
 output kind ``vllm_ec`` has each item's features written as an encoder-cache
 file under ``ec_root`` (atomically) before it is answered with their metadata.
 
-Copies of the features on the ingress: frame 1 of a part is one buffer, the
-items' arrays from the ranks concatenated in item order (ZMQ sends from it; frame 0 is a
-small pickle); an encoder-cache entry is one copy of its item's rows (the
+Copies of the features on the ingress: frame 1 of a part is one buffer, the rank's
+array as it lies in the object store for a part of one image (no copy), else the
+items' arrays from the ranks concatenated in item order (ZMQ sends from it; frame 0
+is a small pickle); an encoder-cache entry is one copy of its item's rows (the
 ranks' arrays are read-only views of the object store), which ``safetensors``
 writes to the file.
 
@@ -55,10 +56,10 @@ from kimi_encoder.engines.sglang import (
     ReceiverRegistry,
     ReceiveUrlRequest,
     deliver,
-    embedding_frames,
     error_frames,
     error_target,
     load_images,
+    stored_embedding_frames,
 )
 from kimi_encoder.engines.transport import Frame, ZmqPusher
 from kimi_encoder.engines.vllm import VLLM_VERSION, EcCacheEntry, write_ec_cache
@@ -297,13 +298,16 @@ class Handoff:
 def part_frames(
     req: EncodeRequest, items: Sequence[EncoderItem], gathered: Gathered
 ) -> list[Frame]:
-    """The part's two frames. Frame 1 is the ingress's one copy of the payload: the
-    items' arrays from the ranks concatenated into one buffer, in item order."""
-    payload = np.concatenate(gathered.features)  # (tokens, hidden), writable
+    """The part's two frames. Frame 1 is the rank's array itself for a part of one image
+    (read in place from the object store: no copy on the ingress), else the ingress's
+    one copy: the items' arrays concatenated into one buffer, in item order."""
+    arrays = gathered.features
+    one = len(arrays) == 1 and arrays[0].flags.c_contiguous
+    rows = arrays[0] if one else np.concatenate(arrays)  # (tokens, hidden)
     grids = torch.tensor([item.grid for item in items], dtype=torch.int64)
     sizes = [item.original_size for item in items]
     assert all(size is not None for size in sizes), "encoded files have an original size"
-    return embedding_frames(req, from_numpy(payload, gathered.dtype), grids, sizes)
+    return stored_embedding_frames(req, rows, gathered.dtype, grids, sizes)
 
 
 class _PartReceivers:

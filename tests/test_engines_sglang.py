@@ -34,8 +34,10 @@ from kimi_encoder.engines.sglang import (
     error_frames,
     error_target,
     load_images,
+    stored_embedding_frames,
 )
 from kimi_encoder.engines.transport import PushError, ZmqPusher, tcp_endpoint
+from kimi_encoder.features import to_numpy
 from kimi_encoder.items import MSG_IMAGE_ONLY, EncoderInputError
 
 PNG = image_bytes("RGB", (100, 37), seed=3)
@@ -188,6 +190,7 @@ def test_embedding_frames(dtype):
     assert EMBEDDING_DATA in _globals(frame0)
     assert MODALITY in _globals(frame0)
     assert _globals(frame0) <= FRAME0_GLOBALS
+    assert ("torch", "LongTensor") in _globals(frame0)  # the grid, from its rows
     meta = read_frame0(frame0)
     assert vars(meta).keys() == {
         "req_id",
@@ -206,6 +209,7 @@ def test_embedding_frames(dtype):
     }
     assert (meta.req_id, meta.num_parts, meta.part_idx) == ("9f2c_local_part_1", 2, 1)
     assert meta.modality == ("Modality", MODALITY_IMAGE)
+    assert type(meta.grid_dim) is torch.Tensor
     assert meta.grid_dim.dtype == torch.int64
     assert torch.equal(meta.grid_dim, grids)
     assert (meta.dtype, meta.shape, meta.embedding, meta.error_msg) == (dtype, [12, 16], None, None)
@@ -227,6 +231,48 @@ def test_embedding_frames_of_non_contiguous_features():
     frame0, body = embedding_frames(req, features, torch.tensor([[1, 4, 8]]), [(100, 37)])
     meta = read_frame0(frame0)
     assert torch.equal(torch.frombuffer(bytearray(body), dtype=meta.dtype).reshape(8, 16), features)
+
+
+def test_stored_embedding_frames_send_a_read_only_array_in_place():
+    req = EncodeRequest.from_json(encode_body())
+    rows = torch.randn(8, 16).to(torch.bfloat16)
+    array = to_numpy(rows)  # bfloat16 as its 16-bit words
+    array.flags.writeable = False
+    frame0, body = stored_embedding_frames(
+        req, array, "bfloat16", torch.tensor([[1, 4, 8]]), [(9, 7)]
+    )
+    assert np.frombuffer(body, np.uint8).ctypes.data == array.ctypes.data
+    meta = read_frame0(frame0)
+    assert (meta.dtype, meta.shape, meta.original_image_sizes) == (
+        torch.bfloat16,
+        [8, 16],
+        [[9, 7]],
+    )
+    assert torch.equal(torch.frombuffer(bytearray(body), dtype=meta.dtype).reshape(8, 16), rows)
+    # The same frames as from the tensor.
+    assert (
+        stored_embedding_frames(req, array, "bfloat16", torch.tensor([[1, 4, 8]]), [(9, 7)])[0]
+        == embedding_frames(req, rows, torch.tensor([[1, 4, 8]]), [(9, 7)])[0]
+    )
+
+
+@pytest.mark.parametrize(
+    ("array", "dtype", "match"),
+    [
+        (np.zeros((8, 4), np.float32).T, "float32", r"\(4, 8\) float32 \(C-contiguous: False\)"),
+        (
+            np.zeros((8, 4), np.float32),
+            "bfloat16",
+            r"bfloat16's storage uint16, got \(8, 4\) float32",
+        ),
+        (np.zeros((0, 4), np.float32), "float32", r"non-empty C-contiguous"),
+        (np.zeros(8, np.float32), "float32", r"got \(8,\) float32"),
+    ],
+)
+def test_stored_embedding_frames_refuse_what_is_not_rows_of_the_dtype(array, dtype, match):
+    req = EncodeRequest.from_json(encode_body())
+    with pytest.raises(ValueError, match=match):
+        stored_embedding_frames(req, array, dtype, torch.tensor([[1, 4, 8]]), [(1, 1)])
 
 
 def test_embedding_frames_refuse_mismatches():

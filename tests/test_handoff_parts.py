@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from images import image_bytes
+from serve_helpers import read_frame0
 
 from deployments.admission import Admission, OutputNotConfiguredError
 from deployments.args import AppArgs
@@ -92,6 +93,35 @@ def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
     assert torch.equal(got, want)
     buffer = np.frombuffer(frame1, np.uint8)
     assert not any(np.shares_memory(buffer, array) for array in arrays)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_part_frames_of_one_image_send_the_ranks_array_itself(dtype):
+    """A part of one image: frame 1 is the rank's read-only array from the object store,
+    not a copy of it."""
+    items = admission().admit_files(IMAGES[:1], None).items  # 6 tokens
+    rows = torch.randn(6, 80).to(getattr(torch, dtype))
+    array = to_numpy(rows)
+    array.flags.writeable = False
+    body = {
+        "req_id": "r_local_part_0",
+        "modality": "IMAGE",
+        "mm_items": ["x"],
+        "num_parts": 1,
+        "part_idx": 0,
+    }
+    frame0, frame1 = part_frames(
+        EncodeRequest.from_json(body), items, Gathered([array], [1], dtype)
+    )
+    assert np.shares_memory(np.frombuffer(frame1, np.uint8), array)
+    got = torch.frombuffer(bytearray(frame1), dtype=rows.dtype).reshape(rows.shape)
+    assert torch.equal(got, rows)
+    meta = read_frame0(frame0)
+    assert (meta.dtype, meta.shape, meta.grid_dim.tolist()) == (
+        rows.dtype,
+        [6, 80],
+        [list(items[0].grid)],
+    )
 
 
 def test_ec_root_must_be_a_writable_directory(tmp_path):

@@ -29,8 +29,10 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
+from ..features import STORAGE, check_dtype, torch_dtype
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
 from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
@@ -58,17 +60,15 @@ IGNORED_ITEM_KEYS = ("detail", "max_dynamic_patch", "max_long_side_pixel", "prep
 CONTENT_HASH_PREFIX = "sha256:"
 
 FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Globals frame 0 may contain: our two classes, the feature dtypes, and what
-# torch's own pickling of the int64 grid tensor uses. All are on 0.5.23's
+# Globals frame 0 may contain: our two classes, the feature dtypes, and the
+# int64 tensor type that rebuilds the grid from its rows. All are on 0.5.23's
 # allow-list (``SafeUnpickler.ALLOWED_GLOBALS``).
 FRAME0_GLOBALS = frozenset(
     {
         EMBEDDING_DATA,
         MODALITY,
         *(("torch", str(dtype).removeprefix("torch.")) for dtype in FEATURE_DTYPES),
-        ("torch._utils", "_rebuild_tensor_v2"),
-        ("torch.storage", "_load_from_bytes"),
-        ("collections", "OrderedDict"),
+        ("torch", "LongTensor"),
     }
 )
 
@@ -276,6 +276,49 @@ def embedding_frames(
     is each image's uploaded ``(width, height)``, which K3's prefill writes into
     the prompt. Frame 1 shares ``features``' memory: leave them unchanged.
     """
+    if features.ndim != 2 or features.shape[0] < 1 or features.dtype not in FEATURE_DTYPES:
+        raise ValueError(
+            f"features must be a non-empty (tokens, hidden) tensor of "
+            f"{[str(d) for d in FEATURE_DTYPES]}, got {tuple(features.shape)} {features.dtype}."
+        )
+    payload = features.detach().cpu().contiguous()
+    body = payload.view(torch.uint8).reshape(-1).numpy()
+    return _frames(req, payload.dtype, list(payload.shape), body, grids, original_sizes)
+
+
+def stored_embedding_frames(
+    req: EncodeRequest,
+    rows: np.ndarray,
+    dtype: str,
+    grids: torch.Tensor,
+    original_sizes: Sequence[tuple[int, int]],
+) -> list[Frame]:
+    """``embedding_frames`` of features held as a storage array (``kimi_encoder.features``:
+    bfloat16 as its 16-bit words), C-contiguous. A read-only array (a rank's answer,
+    read in place from the object store) is sent as it is: frame 1 is its memory."""
+    if (
+        rows.ndim != 2
+        or rows.shape[0] < 1
+        or rows.dtype != STORAGE[check_dtype(dtype)]
+        or not rows.flags.c_contiguous
+    ):
+        raise ValueError(
+            f"features must be a non-empty C-contiguous (tokens, hidden) array of "
+            f"{dtype}'s storage {STORAGE[dtype]}, got {rows.shape} {rows.dtype} "
+            f"(C-contiguous: {rows.flags.c_contiguous})."
+        )
+    body = rows.reshape(-1).view(np.uint8)
+    return _frames(req, torch_dtype(dtype), list(rows.shape), body, grids, original_sizes)
+
+
+def _frames(
+    req: EncodeRequest,
+    dtype: torch.dtype,
+    shape: list[int],
+    body: np.ndarray,
+    grids: torch.Tensor,
+    original_sizes: Sequence[tuple[int, int]],
+) -> list[Frame]:
     n = len(req.mm_items)
     if tuple(grids.shape) != (n, 3) or len(original_sizes) != n:
         raise ValueError(
@@ -283,20 +326,13 @@ def embedding_frames(
             f"{len(original_sizes)} original sizes; pass one (t, h, w) and one "
             "(width, height) per image."
         )
-    if features.ndim != 2 or features.shape[0] < 1 or features.dtype not in FEATURE_DTYPES:
-        raise ValueError(
-            f"features must be a non-empty (tokens, hidden) tensor of "
-            f"{[str(d) for d in FEATURE_DTYPES]}, got {tuple(features.shape)} {features.dtype}."
-        )
-    payload = features.detach().cpu().contiguous()
     meta = _part_state(req) | {
-        "grid_dim": grids.to(torch.int64).contiguous().clone(),
-        "dtype": payload.dtype,
-        "shape": list(payload.shape),
+        "grid_dim": _Int64Rows(grids.to(torch.int64).tolist()),
+        "dtype": dtype,
+        "shape": shape,
         "original_image_sizes": [[int(w), int(h)] for w, h in original_sizes],
     }
-    body = memoryview(payload.view(torch.uint8).reshape(-1).numpy())
-    return [_dumps(meta), body]
+    return [_dumps(meta), memoryview(body)]
 
 
 def error_frames(req: EncodeRequest, message: str, code: int) -> list[Frame]:
@@ -424,6 +460,19 @@ class _EmbeddingData:
 
     def __reduce_ex__(self, protocol):
         return copyreg.__newobj__, (type(self),), dict(vars(self))
+
+
+class _Int64Rows:
+    """Pickled as ``torch.LongTensor(rows)``: the receiver gets an int64 ``(n, 3)``
+    tensor equal to the one torch's own pickling would give, built from a list
+    instead of a ``torch.save`` archive (``_load_from_bytes``: a nested
+    ``torch.load``) on both ends."""
+
+    def __init__(self, rows: list[list[int]]):
+        self.rows = rows
+
+    def __reduce_ex__(self, protocol):
+        return torch.LongTensor, (self.rows,)
 
 
 class _Modality(Enum):
