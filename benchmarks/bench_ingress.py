@@ -34,6 +34,7 @@ import zmq
 
 from . import bench_handoff
 from .common import Section, alternate, ratio, spread, standalone, table
+from .serving import Http
 
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for each cluster
@@ -49,13 +50,13 @@ def _serve(haproxy: str, checkpoint: str, conn) -> None:
     from .serving import Cluster
 
     with Cluster(logical_cpus=4) as cluster:
-        base = f"http://127.0.0.1:{cluster.port}"
-        conn.send(bench_handoff.deploy(serve, base, Path(checkpoint)))
+        conn.send((cluster.port, bench_handoff.deploy(serve, Path(checkpoint))))
         conn.recv()
 
 
 class Server:
-    """``_serve`` in a spawned process (a context manager); ``url`` once it serves."""
+    """``_serve`` in a spawned process (a context manager); once it serves, ``client``
+    posts to its port and ``prefix`` is the app's route prefix."""
 
     def __init__(self, haproxy: str, checkpoint: Path):
         context = mp.get_context("spawn")
@@ -67,7 +68,8 @@ class Server:
         if not self._conn.poll(START_TIMEOUT_S):
             self.proc.kill()
             raise RuntimeError(f"the app did not start within {START_TIMEOUT_S} s")
-        self.url: str = self._conn.recv()
+        port, self.prefix = self._conn.recv()
+        self.client = Http(port)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -91,16 +93,16 @@ def sections(quick: bool) -> list[Section]:
                 Server(INGRESSES["Serve proxy"], checkpoint) as proxy,
                 Server(INGRESSES["HAProxy"], checkpoint) as haproxy,
             ):
-                urls = {"Serve proxy": proxy.url, "HAProxy": haproxy.url}
-                for url in urls.values():
-                    bench_handoff.warm_up(url, sink, parts)
+                servers = {"Serve proxy": proxy, "HAProxy": haproxy}
+                for server in servers.values():
+                    bench_handoff.warm_up(server.client, server.prefix, sink, parts)
                 setups = {}
-                for name, url in urls.items():
-                    setups[("/v1/encode safetensors", name)] = lambda url=url: (
-                        bench_handoff.http_body(url, parts, window)
+                for name, server in servers.items():
+                    setups[("/v1/encode safetensors", name)] = lambda s=server: (
+                        bench_handoff.http_body(s.client, s.prefix, parts, window)
                     )
-                    setups[("hand-off parts", name)] = lambda url=url: bench_handoff.handoff(
-                        url, sink, parts, window
+                    setups[("hand-off parts", name)] = lambda s=server: bench_handoff.handoff(
+                        s.client, s.prefix, sink, parts, window
                     )
                 measured = alternate(setups, repeats)
     finally:
