@@ -302,8 +302,8 @@ def part_frames(
     (read in place from the object store: no copy on the ingress), else the ingress's
     one copy: the items' arrays concatenated into one buffer, in item order."""
     arrays = gathered.features
-    one = len(arrays) == 1 and arrays[0].flags.c_contiguous
-    rows = arrays[0] if one else np.concatenate(arrays)  # (tokens, hidden)
+    # (tokens, hidden); ascontiguousarray returns a contiguous array itself
+    rows = np.ascontiguousarray(arrays[0]) if len(arrays) == 1 else np.concatenate(arrays)
     grids = torch.tensor([item.grid for item in items], dtype=torch.int64)
     sizes = [item.original_size for item in items]
     assert all(size is not None for size in sizes), "encoded files have an original size"

@@ -154,7 +154,8 @@ def bounded_peaks() -> dict:
     """Each BOUNDED input admitted in one fresh process with only its main thread: the
     outcome and the peak bytes tracemalloc traced, by name."""
     here = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    path = [str(here), str(here.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(
         [sys.executable, "-c", _PEAKS_CHILD],
         capture_output=True,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..features import STORAGE, check_dtype, torch_dtype
+from ..features import STORAGE, check_dtype, dtype_name, to_numpy, torch_dtype
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
 from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
@@ -281,9 +281,8 @@ def embedding_frames(
             f"features must be a non-empty (tokens, hidden) tensor of "
             f"{[str(d) for d in FEATURE_DTYPES]}, got {tuple(features.shape)} {features.dtype}."
         )
-    payload = features.detach().cpu().contiguous()
-    body = payload.view(torch.uint8).reshape(-1).numpy()
-    return _frames(req, payload.dtype, list(payload.shape), body, grids, original_sizes)
+    rows = to_numpy(features.detach().cpu())
+    return stored_embedding_frames(req, rows, dtype_name(features.dtype), grids, original_sizes)
 
 
 def stored_embedding_frames(
@@ -307,18 +306,6 @@ def stored_embedding_frames(
             f"{dtype}'s storage {STORAGE[dtype]}, got {rows.shape} {rows.dtype} "
             f"(C-contiguous: {rows.flags.c_contiguous})."
         )
-    body = rows.reshape(-1).view(np.uint8)
-    return _frames(req, torch_dtype(dtype), list(rows.shape), body, grids, original_sizes)
-
-
-def _frames(
-    req: EncodeRequest,
-    dtype: torch.dtype,
-    shape: list[int],
-    body: np.ndarray,
-    grids: torch.Tensor,
-    original_sizes: Sequence[tuple[int, int]],
-) -> list[Frame]:
     n = len(req.mm_items)
     if tuple(grids.shape) != (n, 3) or len(original_sizes) != n:
         raise ValueError(
@@ -328,11 +315,11 @@ def _frames(
         )
     meta = _part_state(req) | {
         "grid_dim": _Int64Rows(grids.to(torch.int64).tolist()),
-        "dtype": dtype,
-        "shape": shape,
+        "dtype": torch_dtype(dtype),
+        "shape": list(rows.shape),
         "original_image_sizes": [[int(w), int(h)] for w, h in original_sizes],
     }
-    return [_dumps(meta), memoryview(body)]
+    return [_dumps(meta), memoryview(rows.reshape(-1).view(np.uint8))]
 
 
 def error_frames(req: EncodeRequest, message: str, code: int) -> list[Frame]:
