@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -248,12 +248,20 @@ class Admission:
             first[uuid] = index
 
     def admit_files(
-        self, files: list[bytes], backend: str | None, feature_dtype: str | None = None
+        self,
+        files: list[bytes],
+        backend: str | None,
+        feature_dtype: str | None = None,
+        digests: Sequence[bytes | None] | None = None,
     ) -> Admitted:
-        """Multipart upload: each file is one image."""
+        """Multipart upload: each file is one image. ``digests``, where given, are the
+        files' SHA-256 as the caller already computed them (an item's key reuses it)."""
         chosen = self.backend(backend)
         self._check_count(len(files))
         items = [self._plan(data, chosen, index) for index, data in enumerate(files)]
+        if digests is not None:
+            for item, digest in zip(items, digests, strict=True):
+                item.image_sha256 = digest
         dtype = feature_dtype or self.args.default_feature_dtype
         return self._checked(Admitted(items, list(range(len(items))), dtype))
 

@@ -252,7 +252,12 @@ class Handoff:
 
     async def _frames(self, req: EncodeRequest, trace: RequestTrace) -> list[Frame]:
         images = await asyncio.to_thread(load_images, req, self.policy)
-        admitted = self.admission.admit_files(images, None, self.args.rank_dtype)
+        admitted = self.admission.admit_files(
+            [image.data for image in images],
+            None,
+            self.args.rank_dtype,
+            digests=[image.sha256 for image in images],  # checked content_hash: hashed once
+        )
         trace.admitted(admitted.items)
         gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
         trace.gathered(gathered)

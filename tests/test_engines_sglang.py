@@ -484,7 +484,10 @@ def test_load_images_inline_and_hash():
     digest = "sha256:" + hashlib.sha256(PNG).hexdigest()
     items = [DATA_URL, plain, {"url": DATA_URL, "content_hash": digest}]
     req = EncodeRequest.from_json(encode_body(mm_items=items))
-    assert load_images(req, FetchPolicy()) == [PNG, PNG, PNG]
+    loaded = load_images(req, FetchPolicy())
+    assert [image.data for image in loaded] == [PNG, PNG, PNG]
+    # the checked hash is kept for the item's key; unhashed items leave it to admission
+    assert [image.sha256 for image in loaded] == [None, None, hashlib.sha256(PNG).digest()]
 
 
 def test_load_images_hash_mismatch():

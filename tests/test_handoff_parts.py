@@ -4,6 +4,7 @@ gathered row slices, the checked ec_root. Over HTTP: tests/serve/test_handoff.py
 from __future__ import annotations
 
 import base64
+import hashlib
 
 import numpy as np
 import pytest
@@ -65,6 +66,19 @@ def test_vllm_ec_output_errors(tmp_path, uuids, fields, match):
 def test_vllm_ec_output_needs_ec_root():
     with pytest.raises(OutputNotConfiguredError, match=r"set args\.ec_root to the vLLM consumer"):
         admission().admit_json(ec_request(["a", "b"]))
+
+
+def test_admitted_files_keep_the_digests_their_part_checked():
+    """A part's content_hash was checked against SHA-256 of the bytes (load_images): the
+    items keep that digest for their cache and dedupe keys instead of hashing again."""
+    digest = hashlib.sha256(IMAGES[0]).digest()
+    items = admission().admit_files(IMAGES, None, digests=[digest, None]).items
+    assert items[0].image_sha256 == digest
+    assert items[0].image_digest() == digest
+    assert items[1].image_sha256 is None  # no hash sent: computed when first needed
+    assert items[1].image_digest() == hashlib.sha256(IMAGES[1]).digest()
+    with pytest.raises(ValueError, match="zip"):
+        admission().admit_files(IMAGES, None, digests=[digest])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

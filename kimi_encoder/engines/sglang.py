@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -243,7 +243,15 @@ def error_target(body: Any) -> EncodeRequest | None:
     )
 
 
-def load_images(req: EncodeRequest, policy: FetchPolicy) -> list[bytes]:
+class PartImage(NamedTuple):
+    """One image of a part: its encoded bytes, and their SHA-256 when the part sent a
+    ``content_hash`` (checked against them), for the item to reuse as its digest."""
+
+    data: bytes
+    sha256: bytes | None = None
+
+
+def load_images(req: EncodeRequest, policy: FetchPolicy) -> list[PartImage]:
     """The encoded images of one part, in item order; checks each content_hash.
 
     Blocks while fetching URLs: call it through ``asyncio.to_thread`` from a loop.
@@ -251,15 +259,17 @@ def load_images(req: EncodeRequest, policy: FetchPolicy) -> list[bytes]:
     images = []
     for index, item in enumerate(req.mm_items):
         data = read_image_ref(item.url, policy, index)
+        sha256 = None
         if item.content_hash is not None:
-            digest = CONTENT_HASH_PREFIX + hashlib.sha256(data).hexdigest()
+            sha256 = hashlib.sha256(data).digest()
+            digest = CONTENT_HASH_PREFIX + sha256.hex()
             if digest != item.content_hash:
                 raise EncoderInputError(
                     f"content_hash {item.content_hash} does not match the image's bytes "
                     f"({digest}); send the hash of exactly these bytes, or none.",
                     index,
                 )
-        images.append(data)
+        images.append(PartImage(data, sha256))
     return images
 
 

@@ -89,7 +89,9 @@ def part_payloads(args):
             "time_stats_json": None,
         }
         req = EncodeRequest.from_json(body)
-        assert load_images(req, FetchPolicy()) == [images[i] for i in indices]
+        assert [image.data for image in load_images(req, FetchPolicy())] == [
+            images[i] for i in indices
+        ]
         rows = features[offsets[indices.start] : offsets[indices.stop]]
         grids = torch.cat([items[i].grid_thws for i in indices])
         sizes = [items[i].original_size for i in indices]
