@@ -41,7 +41,16 @@ import numpy as np
 
 from . import bench_serve
 from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
-from .serving import Cluster, Http, HttpError, Window, app_args, closed_loop, free_port
+from .serving import (
+    Cluster,
+    Http,
+    HttpError,
+    Window,
+    app_args,
+    closed_loop,
+    free_port,
+    server_failed,
+)
 
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
 FORMATS = ("json", "safetensors")
@@ -293,7 +302,7 @@ def measure(s: Settings, root: Path) -> Measured:
             setups = our_setups(client, images, s, out, cache)
             if cache == "hit":
                 setups |= ceiling_setups(client, Http(plain.port), images, s, out)
-            out.windows |= alternate(setups, s.repeats)
+            out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
             for app in apps:
                 cluster.delete(app)
     return out

@@ -53,7 +53,7 @@ from kimi_encoder.weights import write_checkpoint
 
 from . import bench_serve, cpu
 from .common import Section, alternate, image, ratio, spread, standalone, table
-from .serving import Http, free_port
+from .serving import Http, free_port, server_failed
 
 WIDTH = 7168  # Kimi-K3's text_hidden_size
 SIDE = 896  # 64 x 64 patches, 1024 tokens
@@ -310,7 +310,7 @@ def sections(quick: bool) -> list[Section]:
                     lambda: plain_zmq(context, sink, part_size, window)
                 ),
             }
-            measured = alternate(paths, repeats)
+            measured = alternate(paths, repeats, rerun_if=server_failed)
         finally:
             serve.shutdown()
             ray.shutdown()

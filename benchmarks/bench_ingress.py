@@ -34,7 +34,7 @@ import zmq
 
 from . import bench_handoff
 from .common import Section, alternate, ratio, spread, standalone, table
-from .serving import Http
+from .serving import Http, server_failed
 
 HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
 INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for each cluster
@@ -104,7 +104,7 @@ def sections(quick: bool) -> list[Section]:
                     setups[("hand-off parts", name)] = lambda s=server: bench_handoff.handoff(
                         s.client, s.prefix, sink, parts, window
                     )
-                measured = alternate(setups, repeats)
+                measured = alternate(setups, repeats, rerun_if=server_failed)
     finally:
         sink.close()
         context.term()

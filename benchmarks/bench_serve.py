@@ -38,7 +38,7 @@ import numpy as np
 from . import cpu
 from .common import Section, Spread, alternate, arguments, image, ratio, spread, standalone, table
 from .direct import DirectWorkers
-from .serving import Cluster, Http, Window, app_args, closed_loop
+from .serving import Cluster, Http, Window, app_args, closed_loop, server_failed
 
 MIX = [(320, 240), (448, 336), (224, 224), (640, 480), (256, 192), (512, 384)]
 PER_REQUEST = 2
@@ -173,7 +173,7 @@ def measure_preset(cluster: Cluster, client: Http, preset: str, s: Settings) -> 
         if preset in s.split_presets:
             large = Encode(client, f"/{apps[1]}", request_stream(24 * PER_REQUEST // LARGE, LARGE))
             setups[BATCHED] = lambda: closed_loop(large.send, CLIENTS, window, direct.labels)
-        windows = alternate(setups, s.repeats)
+        windows = alternate(setups, s.repeats, rerun_if=server_failed)
     return PresetRun(preset, apps, windows)
 
 

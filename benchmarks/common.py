@@ -165,14 +165,35 @@ def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
     return spread([a / b for a, b in zip(numerator, denominator, strict=True)])
 
 
-def alternate(setups: Mapping[str, Callable[[], T]], repeats: int) -> dict[str, list[T]]:
-    """Run every setup once per repeat, in the same order each time (A B C A B C ...)."""
+# Windows measured again after a failure ``alternate`` was told to survive, as
+# "setup, repeat k: error"; ``with_load`` moves them onto the page, under their section.
+RERUNS: list[str] = []
+
+
+def alternate(
+    setups: Mapping[str, Callable[[], T]],
+    repeats: int,
+    rerun_if: Callable[[BaseException], bool] = lambda exc: False,
+) -> dict[str, list[T]]:
+    """Run every setup once per repeat, in the same order each time (A B C A B C ...).
+
+    A window that fails with an error ``rerun_if`` accepts (a served window whose
+    replica died under it, say) is measured once more and noted in ``RERUNS``; a
+    second failure of the same window is raised.
+    """
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}.")
     out: dict[str, list[T]] = {name: [] for name in setups}
-    for _ in range(repeats):
+    for repeat in range(repeats):
         for name, measure in setups.items():
-            out[name].append(measure())
+            try:
+                value = measure()
+            except Exception as exc:
+                if not rerun_if(exc):
+                    raise
+                RERUNS.append(f"{name}, repeat {repeat + 1}: {type(exc).__name__}: {exc}")
+                value = measure()
+            out[name].append(value)
     return out
 
 
@@ -210,10 +231,18 @@ class Section:
 def with_load(make: Callable[[], list[Section]]) -> list[Section]:
     """``make()``'s sections, each carrying the load average before and after it."""
     before = load_average()
+    del RERUNS[:]
     sections = make()
     after = load_average()
     for section in sections:
         section.load = (before, after)
+    if RERUNS and sections:
+        reruns = "; ".join(RERUNS)
+        sections[0].parts.append(
+            f"Windows measured again after the server failed under them (once each; their "
+            f"first try is not counted): {reruns}."
+        )
+    del RERUNS[:]
     return sections
 
 

@@ -106,6 +106,12 @@ class HttpError(RuntimeError):
         super().__init__(f"POST {path} answered {status}: {body[:300]!r}")
 
 
+def server_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a 5xx answer: the server failed (a replica died under the
+    request, Serve's proxy answering 500 for it), not the benchmark's request."""
+    return isinstance(exc, HttpError) and exc.status >= 500
+
+
 class Http:
     """POSTs to one loopback server, one kept-alive connection per thread."""
 

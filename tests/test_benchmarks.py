@@ -57,6 +57,49 @@ def test_alternate_runs_the_setups_in_turn():
     assert order == ["a", "b"] * 3
 
 
+def test_alternate_measures_a_failed_window_again_and_notes_it():
+    """A window the server failed under (5xx) is measured once more and the page says so;
+    a second failure of it, or any other error, stops the run."""
+    answers = iter([1, serving.HttpError(500, "/x", b"gone"), 3, 4])
+
+    def flaky():
+        value = next(answers)
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+    def make():
+        measured = common.alternate({"a": flaky, "b": lambda: 0}, 2, rerun_if=serving.server_failed)
+        assert measured == {"a": [1, 3], "b": [0, 0]}  # the failed try is not counted
+        return [common.Section("S", "cmd", ["text"]), common.Section("T", "cmd", [])]
+
+    first, second = common.with_load(make)
+    assert first.parts[1] == (
+        "Windows measured again after the server failed under them (once each; their "
+        "first try is not counted): a, repeat 2: HttpError: POST /x answered 500: b'gone'."
+    )
+    assert second.parts == []
+    assert common.RERUNS == []  # moved onto the page, not carried into the next section
+
+    def failing():
+        raise serving.HttpError(503, "/x", b"down")
+
+    with pytest.raises(serving.HttpError, match="answered 503"):
+        common.alternate({"a": failing}, 1, rerun_if=serving.server_failed)
+    common.RERUNS.clear()
+    for error in (serving.HttpError(422, "/x", b"bad"), ValueError("bench bug")):
+        calls = []
+
+        def refused(error=error, calls=calls):
+            calls.append(1)
+            raise error
+
+        with pytest.raises(type(error)):
+            common.alternate({"a": refused}, 1, rerun_if=serving.server_failed)
+        assert calls == [1]  # not the server's failure: never measured again
+    assert common.RERUNS == []
+
+
 def test_spread_and_ratio():
     s = common.spread([3.0, 1.0, 2.0])
     assert (s.median, s.lo, s.hi) == (2.0, 1.0, 3.0)
