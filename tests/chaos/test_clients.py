@@ -246,6 +246,8 @@ def test_an_abandoned_flood_is_dropped(apps, chaos_images):
     started = time.monotonic()
     assert requests.post(f"{url}/v1/encode", json=batch, timeout=300).status_code == 200
     one_batch_s = time.monotonic() - started
+    info = requests.get(f"{url}/v1/info", timeout=30).json()
+    dropped_before = sum(r["dropped"] for r in info["ranks"])
     with pytest.raises(requests.exceptions.ReadTimeout):
         requests.post(f"{url}/v1/encode", json={"items": items[: 64 - 16]}, timeout=3)
     gone_at = time.monotonic()
@@ -256,17 +258,24 @@ def test_an_abandoned_flood_is_dropped(apps, chaos_images):
         r["outstanding"]["images"]
         for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
     ):
-        assert time.monotonic() - gone_at < 30, "the flood's images stayed outstanding"
+        assert time.monotonic() - gone_at < 120, "the flood's images stayed outstanding"
         time.sleep(0.1)
     drained_s = time.monotonic() - gone_at
+    ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    dropped = sum(r["dropped"] for r in ranks) - dropped_before
     print(f"\nflood abandoned: a small request took {small_s:.2f} s (one large batch "
-          f"{one_batch_s:.2f} s); outstanding work 0 after {drained_s:.2f} s")  # fmt: skip
+          f"{one_batch_s:.2f} s); outstanding work 0 after {drained_s:.2f} s; "
+          f"{dropped} queued images taken back")  # fmt: skip
     assert answer.status_code == 200
     assert small_s <= one_batch_s + 1.0
-    # Kept, the flood's 48 images (24 per rank, 1.5 batches) would hold the ranks for
-    # over one batch's time; dropped, their work is gone within 2 s on a quiet machine
-    # (0.5 s measured) and within half a batch's time on a slow one.
-    assert drained_s <= max(2.0, one_batch_s / 2)
+    # The ranks take back every flood image whose forward has not begun; a forward that
+    # has (at most one batch per rank, 16 images) runs to its end. So at least 48 - 2 x 16
+    # are dropped (hedged copies only add to them), and the rest is gone within one
+    # batch's time. Kept, the 48 images (24 per rank, 1.5 batches each) would hold the
+    # ranks for about three times one batch's time. Measured: 0.5 s on a quiet machine;
+    # 11.6 s with a core busy, when a flood batch had begun its forward (one batch 16.2 s).
+    assert dropped >= 48 - 2 * 16
+    assert drained_s <= one_batch_s + 1.0
 
 
 def test_ingress_replica_killed_under_a_client_job(apps, chaos_images, tmp_path):
