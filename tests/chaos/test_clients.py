@@ -273,7 +273,7 @@ def test_an_abandoned_flood_is_dropped(apps, chaos_images):
     # are dropped (hedged copies only add to them), and the rest is gone within one
     # batch's time. Kept, the 48 images (24 per rank, 1.5 batches each) would hold the
     # ranks for about three times one batch's time. Measured: 0.5 s on a quiet machine;
-    # 11.6 s with a core busy, when a flood batch had begun its forward (one batch 16.2 s).
+    # 11.6 s in one busy-core run (one batch 16.2 s there), which half a batch's time failed.
     assert dropped >= 48 - 2 * 16
     assert drained_s <= one_batch_s + 1.0
 
