@@ -16,7 +16,10 @@ its call asked for, on the one forward thread. So batch k+1 decodes and
 preprocesses while batch k runs its forward, the event loop keeps answering
 load reports and cache hits, and each image's features leave the device once,
 in the wire dtype, into a buffer of its own (which the cache keeps as is: no
-second copy).
+second copy). A rank passes ``keep``: each image's host features are then handed
+to it on the copy thread, and what it returns (the rank: a handle to the features
+written once into Ray's object store) is what the cache keeps and every call gets,
+so a cache hit moves no feature byte on the rank at all.
 
 Cache: keys are ``kimi_encoder.cache.item_key`` with the weights' SHA-256
 fingerprint, the model dtype and the feature dtype; a hit skips everything. An
@@ -125,7 +128,15 @@ class _Outstanding:
 class RankBatcher:
     """One rank's image queue, pipeline, feature cache and load report."""
 
-    def __init__(self, encoder: VisionEncoder, config: BatchingConfig, num_threads: int):
+    def __init__(
+        self,
+        encoder: VisionEncoder,
+        config: BatchingConfig,
+        num_threads: int,
+        keep: Callable[[torch.Tensor], Any] | None = None,
+    ):
+        """``keep`` (optional) turns an image's host features into what is cached and
+        delivered (it must have ``nbytes``); it runs on the copy thread."""
         if config.max_batch_patches < 1 or config.max_batch_wait_ms < 0:
             raise ValueError(
                 f"max_batch_patches must be >= 1 and max_batch_wait_ms >= 0, got "
@@ -145,6 +156,7 @@ class RankBatcher:
         )  # fmt: skip
         self.worker_threads = self._executor.submit(torch.get_num_threads).result()
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        self._keep = keep
         device = encoder.device
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._deliveries: set[asyncio.Task] = set()
@@ -171,7 +183,7 @@ class RankBatcher:
         self, items: Sequence[EncoderItem], caller: str, feature_dtype: str | None = None
     ) -> tuple[list, dict[str, float]]:
         """Features of ``items`` in order (CPU tensors of ``feature_dtype``, the model's by
-        default, or an item's exception), and this call's stage milliseconds: queue_wait,
+        default, or what ``keep`` made of them; or an item's exception), and this call's stage milliseconds: queue_wait,
         preprocess, forward (of the batches its images were in)."""
         dtype = check_dtype(feature_dtype or self.model_dtype)
         self._start()
@@ -393,8 +405,18 @@ class RankBatcher:
                     if isinstance(r, torch.Tensor):
                         r.record_stream(stream)  # not reused before this copy ends
                 results = [_to_host(r) for r in on_device]
+        if self._keep is not None:
+            results = [self._kept(r) for r in results]
         timing.copy_ms = (time.perf_counter() - started) * 1e3
         return results
+
+    def _kept(self, result: Any) -> Any:
+        if not isinstance(result, torch.Tensor):
+            return result  # its error
+        try:
+            return self._keep(result)
+        except Exception as exc:  # noqa: BLE001 - e.g. a full object store: this image's error
+            return exc
 
     def _finish(self, batch: list[_Queued], results: list) -> None:
         self.counters.batches += 1

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve._private.common import DeploymentID, ReplicaID  # ReplicaID: public alpha
 from ray.serve.exceptions import (
     BackPressureError,
@@ -48,9 +48,11 @@ log = logging.getLogger("ray.serve")
 SERVE_NAMESPACE = "serve"  # where Serve registers its replicas' actors by name
 LOOKUP_TIMEOUT_S = 2.0  # a registry slower than this says nothing: the replica counts as alive
 
-# ActorDiedError and ActorUnavailableError are RayActorErrors.
+# ActorDiedError and ActorUnavailableError are RayActorErrors; OwnerDiedError (a rank's
+# features in the object store, gone with the rank) is an ObjectLostError.
 UNAVAILABLE = (
     RayActorError,
+    ObjectLostError,
     BackPressureError,
     DeploymentUnavailableError,
     ReplicaUnavailableError,
@@ -101,10 +103,11 @@ class RankCall:
         try:
             response = handle.dispatch(selection, *args, **kwargs)
             try:
-                return await response
+                result = await response
             except asyncio.CancelledError:
                 response.cancel()  # the request went away: so does the rank's call
                 raise
+            return await _read_stored(result)
         except RayTaskError as exc:
             failure = exc
             if isinstance(exc.cause, UNAVAILABLE):
@@ -124,6 +127,23 @@ class RankCall:
         return RankUnavailableError(
             self.rank, cause, replica=self.replica, started=self.started, slow=slow
         )
+
+
+async def _read_stored(result: Any) -> Any:
+    """An encode answer with its features read in place: a rank with its cache on answers
+    refs to features it wrote into the object store once (``rank.StoredFeatures``);
+    each becomes the read-only array the object store holds (no copy)."""
+    if not isinstance(result, dict):
+        return result
+    features = result.get("features")
+    if not features or not any(isinstance(f, ray.ObjectRef) for f in features):
+        return result
+    arrays = await asyncio.gather(*(_read(f) for f in features))
+    return {**result, "features": list(arrays)}
+
+
+async def _read(feature: Any) -> Any:
+    return await feature if isinstance(feature, ray.ObjectRef) else feature
 
 
 class RankHandle:
