@@ -598,15 +598,15 @@ COPY_ROWS = [
         "`deployments/batcher.py` `_copy_stage`",
     ],
     [
-        "rank: the call's answer",
-        "0: each image's buffer as it left the device, all in one answer",
-        "`deployments/rank.py` `encode`",
+        "rank: into Ray's object store",
+        "cache on: 1 per image when it is encoded (the cache keeps the object-store ref; a "
+        "hit copies nothing); cache off: 1 (Ray writes the call's answer into one object)",
+        "`deployments/rank.py` `StoredFeatures`",
     ],
     [
         "rank → ingress",
-        "1 (Ray writes the answer into one object-store object; the ingress reads each "
-        "array in place)",
-        "Ray",
+        "0: the ingress reads each array in place",
+        "`deployments/handles.py` `_read_stored`",
     ],
     [
         "ingress: the body",

@@ -24,6 +24,9 @@ so a cache hit moves no feature byte on the rank at all.
 Cache: keys are ``kimi_encoder.cache.item_key`` with the weights' SHA-256
 fingerprint, the model dtype and the feature dtype; a hit skips everything. An
 image already queued or running for another call is awaited, not encoded again.
+An image the ingress sent by digest (``EncoderItem.by_digest``: it expected a hit,
+so the file bytes stayed behind) that is neither cached nor in flight is answered
+``NOT_CACHED``, and the caller sends it again with its bytes.
 
 Cancellation: a call that is cancelled (the client went away, the ingress timed
 out) takes back its queued images that no other call waits for and whose forward
@@ -51,6 +54,17 @@ from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.features import check_dtype, dtype_name, torch_dtype
 from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
+
+
+class _NotCached:
+    """An image sent by digest whose features this rank's cache no longer holds: the
+    caller sends it again with its bytes."""
+
+    def __repr__(self) -> str:
+        return "NOT_CACHED"
+
+
+NOT_CACHED = _NotCached()
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,8 @@ class BatchCounters:
     items: int = 0  # images in them
     patches: int = 0  # sum of t*h*w over those images
     cache_hits: int = 0
+    by_digest: int = 0  # images sent without their bytes (the ingress expected a hit)
+    not_cached: int = 0  # ... of which this rank no longer held the features
     joined_in_flight: int = 0  # same image already queued or running for another call
     preprocessed: int = 0  # images decoded and preprocessed (misses only)
     forwarded: int = 0  # images through the tower
@@ -183,8 +199,9 @@ class RankBatcher:
         self, items: Sequence[EncoderItem], caller: str, feature_dtype: str | None = None
     ) -> tuple[list, dict[str, float]]:
         """Features of ``items`` in order (CPU tensors of ``feature_dtype``, the model's by
-        default, or what ``keep`` made of them; or an item's exception), and this call's stage milliseconds: queue_wait,
-        preprocess, forward (of the batches its images were in)."""
+        default, or what ``keep`` made of them; ``NOT_CACHED``; or an item's exception), and
+        this call's stage milliseconds: queue_wait, preprocess, forward (of the batches its
+        images were in)."""
         dtype = check_dtype(feature_dtype or self.model_dtype)
         self._start()
         self.counters.calls += 1
@@ -198,6 +215,7 @@ class RankBatcher:
         for item in items:
             key = self._key(item, dtype)
             hit = self.cache.get(key) if key is not None else None
+            self.counters.by_digest += int(item.sent_by_digest)
             if hit is not None:
                 self.counters.cache_hits += 1
                 done = loop.create_future()
@@ -209,6 +227,11 @@ class RankBatcher:
                 entry.waiters += 1
                 mine.append(entry)
                 futures.append(entry.future)
+            elif item.sent_by_digest:  # its bytes stayed at the ingress: ask for them
+                self.counters.not_cached += 1
+                done = loop.create_future()
+                done.set_result(NOT_CACHED)
+                futures.append(done)
             else:
                 entry = _Queued(
                     item, key, dtype, caller, call, loop.create_future(), time.perf_counter(),

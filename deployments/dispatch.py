@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kimi_encoder.assign import assign_owners, group_by_owner
@@ -46,6 +46,7 @@ class Plan:
     first: list[int]  # index of the copy that is encoded, per item
     keys: list[str]
     work: list[Work]  # per rank: images expected to be encoded (not cache hits)
+    held: set[int] = field(default_factory=set)  # items their owner's cache holds (hits)
 
 
 class Dispatcher:
@@ -173,10 +174,13 @@ class Dispatcher:
         groups = group_by_owner(chosen, self.num_ranks)
         groups = {rank: [unique[j] for j in idx] for rank, idx in groups.items()}
         work = [Work()] * self.num_ranks
+        held = set()
         for i, holder, rank in zip(unique, holders, chosen, strict=True):
             if holder != rank:  # a miss: the rank will queue it
                 work[rank] = work[rank] + Work.of([items[i].num_patches])
-        return Plan(owners, groups, first, keys, work)
+            else:
+                held.add(i)
+        return Plan(owners, groups, first, keys, work, held)
 
     @contextmanager
     def dispatched(self, plan: Plan, rank: int) -> Iterator[None]:

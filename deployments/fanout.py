@@ -124,7 +124,11 @@ class RankClient(Protocol):
         sent_at: float,
         caller: str,
         feature_dtype: str,
-    ) -> Call: ...
+        held: Sequence[bool] = (),
+    ) -> Call:
+        """``held[k]``: the rank's cache is expected to hold ``items[k]``'s features, so
+        the item may go without its file bytes (the client sends them if it does not)."""
+        ...
 
     def load(self) -> Call: ...
 
@@ -395,7 +399,12 @@ class FanOut:
             expected = self.dispatcher.expected_s(plan, rank, [i.num_patches for i in group])
             late_after = max(self.slow_after_s, self.slow_factor * (expected or 0.0))
             call = self.ranks[rank].encode(
-                [pending[j] for j in idx], group, sent_at, self.dispatcher.caller, dtype
+                [pending[j] for j in idx],
+                group,
+                sent_at,
+                self.dispatcher.caller,
+                dtype,
+                held=[j in plan.held for j in idx],
             )
             flight = _Flight(
                 rank,

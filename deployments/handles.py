@@ -67,11 +67,19 @@ class RankCall:
     it is cancelled."""
 
     def __init__(
-        self, rank: int, handle: DeploymentHandle, route_timeout_s: float | None, *args, **kw
+        self,
+        rank: int,
+        handle: DeploymentHandle,
+        route_timeout_s: float | None,
+        *args,
+        refill: Refill | None = None,
+        **kw,
     ):
         self.rank = rank
         self.replica: str | None = None
         self.started = time.monotonic()
+        self.refilled = 0  # images the rank no longer had, sent again with their bytes
+        self._refill = refill
         self._task = asyncio.ensure_future(self._run(handle, route_timeout_s, args, kw))
 
     def __await__(self) -> Any:
@@ -86,6 +94,18 @@ class RankCall:
         self._task.cancel()
 
     async def _run(self, handle: DeploymentHandle, timeout_s: float | None, args, kwargs) -> Any:
+        result = await self._once(handle, timeout_s, args, kwargs)
+        missing = result.get("missing") if isinstance(result, dict) else None
+        if not missing:
+            return result
+        # Sent by digest, evicted since (or the rank was replaced): once more, with bytes.
+        assert self._refill is not None, f"rank {self.rank} answered missing images unasked"
+        again_args, again_kwargs = self._refill(missing)
+        self.refilled += len(missing)
+        again = await self._once(handle, None, again_args, again_kwargs)
+        return _refilled(result, missing, again)
+
+    async def _once(self, handle: DeploymentHandle, timeout_s: float | None, args, kwargs) -> Any:
         chooser = handle.choose_replica(*args, **kwargs)
         try:
             selection = await asyncio.wait_for(chooser.__aenter__(), timeout_s)
@@ -129,6 +149,21 @@ class RankCall:
         )
 
 
+# Given the positions of a call's images the rank answered missing: the arguments and
+# keyword arguments of a call that sends them again with their bytes.
+Refill = Callable[[list[int]], tuple[tuple, dict]]
+
+
+def _refilled(first: dict, missing: list[int], again: dict) -> dict:
+    """``first``'s answer with its missing images' features taken from ``again``."""
+    assert not again.get("missing"), f"images sent with their bytes came back missing: {again}"
+    features = list(first["features"])
+    for position, array in zip(missing, again["features"], strict=True):
+        features[position] = array
+    encode_ms = first["encode_ms"] + again["encode_ms"]
+    return {**again, "features": features, "missing": [], "encode_ms": encode_ms}
+
+
 async def _read_stored(result: Any) -> Any:
     """An encode answer with its features read in place: a rank with its cache on answers
     refs to features it wrote into the object store once (``rank.StoredFeatures``);
@@ -136,7 +171,7 @@ async def _read_stored(result: Any) -> Any:
     if not isinstance(result, dict):
         return result
     features = result.get("features")
-    if not features or not any(isinstance(f, ray.ObjectRef) for f in features):
+    if not any(isinstance(f, ray.ObjectRef) for f in features or ()):
         return result
     arrays = await asyncio.gather(*(_read(f) for f in features))
     return {**result, "features": list(arrays)}
@@ -144,6 +179,10 @@ async def _read_stored(result: Any) -> Any:
 
 async def _read(feature: Any) -> Any:
     return await feature if isinstance(feature, ray.ObjectRef) else feature
+
+
+def _sendable_by_digest(item: EncoderItem) -> bool:
+    return item.image is not None and item.deferred is not None
 
 
 class RankHandle:
@@ -163,9 +202,25 @@ class RankHandle:
         sent_at: float,
         caller: str,
         feature_dtype: str,
+        held: list[bool] | tuple = (),
     ) -> RankCall:
+        """Images the rank's cache is expected to hold (``held``) go by digest, without
+        their file bytes (each 0.3 MB JPEG as an argument costs Ray's object store about
+        4 CPU-ms per call on a 2-core EPYC); any the rank no longer holds are sent again
+        with their bytes in a second call, within the same ``RankCall``."""
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
-        return self._call("encode", None, indices, items, **kwargs)
+        held = held or [False] * len(items)
+        held = [bool(h) and _sendable_by_digest(i) for h, i in zip(held, items, strict=True)]
+        if not any(held):
+            return self._call("encode", None, indices, items, **kwargs)
+        sent = [item.by_digest() if h else item for h, item in zip(held, items, strict=True)]
+
+        def refill(missing: list[int]) -> tuple[tuple, dict]:
+            again = ([indices[k] for k in missing], [items[k] for k in missing])
+            return again, {**kwargs, "sent_at": time.time()}
+
+        handle = self.handle.options(method_name="encode")
+        return RankCall(self.rank, handle, None, indices, sent, refill=refill, **kwargs)
 
     def load(self) -> RankCall:
         return self._call("load", self.route_timeout_s)

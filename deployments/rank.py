@@ -16,11 +16,11 @@ import torch
 from PIL import Image
 
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.features import dtype_name, to_numpy
+from kimi_encoder.features import check_dtype, dtype_name, to_numpy
 from kimi_encoder.items import EncoderItem
 
 from .args import AppArgs
-from .batcher import RankBatcher, raise_first_error
+from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import RankMetrics
 
@@ -91,6 +91,8 @@ class EncoderRank:
             seed=args.seed,
         )
         batching = args.batching_config()
+        if batching.cache_bytes:
+            check_cache_fits(rank, batching.cache_bytes, node_object_store_bytes())
         keep = StoredFeatures.put if batching.cache_bytes else None
         self.batcher = RankBatcher(self.encoder, batching, num_threads, keep=keep)
         self.vision = self.encoder.vision
@@ -140,33 +142,47 @@ class EncoderRank:
             self.metrics.leased(self.leases.held)
         stages["queue_wait"] = stages.get("queue_wait", 0.0) + batch_stages.pop("queue_wait")
         stages.update(batch_stages)
-        tensors = raise_first_error(results, indices)
+        results = raise_first_error(results, indices)
+        # Sent by digest but no longer cached: answered as missing, the ingress sends them
+        # again with their bytes (handles.RankCall).
+        missing = [k for k, r in enumerate(results) if r is NOT_CACHED]
+        tensors = [r for r in results if r is not NOT_CACHED]
         # Each image's features are already a host buffer of their own (the one copy that
         # left the device), or with the cache on that buffer written once into the object
         # store (StoredFeatures). Arrays are carried as they are: Ray writes the answer
         # into one object-store object, every array's bytes once, and the ingress reads
         # each in place. Concatenating them here first would copy every byte once more
         # (4 ms per 14.7 MB on a 2-core EPYC).
-        features = [t.ref if isinstance(t, StoredFeatures) else to_numpy(t) for t in tensors]
-        dtypes = {t.dtype if isinstance(t, StoredFeatures) else dtype_name(t.dtype) for t in tensors}
+        features = [
+            None if r is NOT_CACHED else r.ref if isinstance(r, StoredFeatures) else to_numpy(r)
+            for r in results
+        ]
+        dtypes = {
+            t.dtype if isinstance(t, StoredFeatures) else dtype_name(t.dtype) for t in tensors
+        }
+        dtypes = dtypes or {check_dtype(feature_dtype or self.batcher.model_dtype)}
         assert len(dtypes) == 1, dtypes
-        backend = next((i.deferred.backend for i in items if i.deferred is not None), "none")
-        patches, tokens = sum(i.num_patches for i in items), sum(t.shape[0] for t in tensors)
-        self.metrics.encoded(len(items), patches, tokens, backend, stages)
+        answered = [i for i, r in zip(items, results, strict=True) if r is not NOT_CACHED]
+        backend = next((i.deferred.backend for i in answered if i.deferred is not None), "none")
+        patches, tokens = sum(i.num_patches for i in answered), sum(t.shape[0] for t in tensors)
+        if answered:  # Ray's counters take no increment of 0
+            self.metrics.encoded(len(answered), patches, tokens, backend, stages)
         log.info(
-            "rank %d encoded %d images (%d patches, %d tokens, %s backend) in %s ms",
+            "rank %d encoded %d images (%d patches, %d tokens, %s backend; %d not cached) in %s ms",
             self.rank,
-            len(items),
+            len(answered),
             patches,
             tokens,
             backend,
+            len(missing),
             {k: round(v, 2) for k, v in stages.items()},
-            extra={"kimi_encoder_rank": {"rank": self.rank, "images": len(items), **stages}},
+            extra={"kimi_encoder_rank": {"rank": self.rank, "images": len(answered), **stages}},
         )
         return {
             "rank": self.rank,
             "features": features,
             "dtype": dtypes.pop(),
+            "missing": missing,
             "encode_ms": (time.perf_counter() - started) * 1e3,
             "stages_ms": stages,
             "done_at": time.time(),
@@ -238,6 +254,29 @@ def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
         f"`deployments:` entry for EncoderRank_{rank} overrides its ray_actor_options. Set the "
         "resources once in the application's args (rank_actor_options) and remove the "
         "override."
+    )
+
+
+def node_object_store_bytes() -> float | None:
+    """The object-store capacity of this process's Ray node (None if Ray does not say)."""
+    node = ray.get_runtime_context().get_node_id()
+    for entry in ray.nodes():
+        if entry.get("NodeID") == node:
+            return entry.get("Resources", {}).get("object_store_memory")
+    return None
+
+
+def check_cache_fits(rank: int, cache_bytes: int, store_bytes: float | None) -> None:
+    """Refuse a feature cache larger than half of its node's object store, where it lives
+    (``StoredFeatures``): the node's other ranks and every answer in flight share it, and
+    Ray would spill cached features to disk rather than fail."""
+    if store_bytes is None or cache_bytes <= store_bytes / 2:
+        return
+    raise ValueError(
+        f"rank {rank}: feature_cache_bytes={cache_bytes} is more than half of this node's "
+        f"Ray object store ({int(store_bytes)} bytes), which holds the cached features of "
+        "every rank on the node and the answers in flight. Lower feature_cache_bytes (0 "
+        "disables the cache), or start Ray with a larger --object-store-memory."
     )
 
 

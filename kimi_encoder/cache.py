@@ -3,11 +3,12 @@
 A key covers everything that changes an item's features: the model's weight
 fingerprint, the dtype, the item's grid, and either the original file bytes
 (as their SHA-256, computed once per item and carried with it from the ingress
-to the rank) with the whole deferred-preprocessing record (backend, normalization,
-background, resize) and the image size, or the pixel tensor's dtype, shape and
-bytes. Fields are length-prefixed before hashing, so no two different inputs
-share a byte stream; the digest is the full SHA-256, never truncated and never
-Python's per-process ``hash()``.
+to the rank; all a rank gets of an image its cache holds) with the whole
+deferred-preprocessing record (backend, normalization, background, resize) and
+the image size, or the pixel tensor's dtype, shape and bytes. Fields are
+length-prefixed before hashing, so no two different inputs share a byte stream;
+the digest is the full SHA-256, never truncated and never Python's per-process
+``hash()``.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def item_key(item: EncoderItem, model_id: str, dtype: str) -> str:
         _field(h, "pixel-meta", f"{pixels.dtype}{tuple(pixels.shape)}".encode())
         _field(h, "pixels", pixels.view(torch.uint8).numpy().tobytes())
     else:
-        if item.image is None or item.deferred is None:
+        if item.deferred is None or (item.image is None and not item.sent_by_digest):
             raise ValueError("cannot key an image item without its bytes and deferred record")
         _field(h, "image-sha256", item.image_digest())
         _field(h, "size", json.dumps(item.original_size).encode())

@@ -7,6 +7,7 @@ expensive preprocessing is deferred to the rank that owns the item.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import math
 import numbers
@@ -185,11 +186,28 @@ class EncoderItem:
 
     def image_digest(self) -> bytes:
         """SHA-256 of the encoded image bytes (computed once per item)."""
-        if self.image is None:
-            raise ValueError("an item without image bytes has no image digest")
         if self.image_sha256 is None:
+            if self.image is None:
+                raise ValueError("an item without image bytes has no image digest")
             self.image_sha256 = hashlib.sha256(self.image).digest()
         return self.image_sha256
+
+    def by_digest(self) -> EncoderItem:
+        """This image item without its file bytes, for a rank whose feature cache holds
+        its features: the rank finds them by the digest (and the rest of the cache key,
+        all kept) and answers that it no longer has them if they were evicted."""
+        if self.image is None or self.deferred is None:
+            raise ValueError("only an image item with its bytes can be sent by digest")
+        digest = self.image_digest()
+        out = copy.copy(self)
+        out.image = None
+        out.image_sha256 = digest
+        return out
+
+    @property
+    def sent_by_digest(self) -> bool:
+        """An image item whose bytes were left behind (``by_digest``)."""
+        return self.image is None and self.pixel_values is None and self.image_sha256 is not None
 
     # Items cross process boundaries (ingress -> rank) by pickle. A tensor pickles through
     # torch's storage serializer: about 0.14 ms each way per item on a 2-core EPYC, more

@@ -19,7 +19,7 @@ import pytest
 import torch
 from images import gray_png, image_bytes
 
-from deployments.batcher import BatchingConfig, RankBatcher
+from deployments.batcher import NOT_CACHED, BatchingConfig, RankBatcher
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.items import EncoderInputError
 from kimi_encoder.load import Work
@@ -70,12 +70,13 @@ def images() -> list[bytes]:
     return [image_bytes("RGBA" if i % 2 else "RGB", s, seed=i) for i, s in enumerate(SIZES)]
 
 
-def batcher(encoder, **config) -> RankBatcher:
+def batcher(encoder, keep=None, **config) -> RankBatcher:
     base = dict(max_batch_wait_ms=0.0, cache_bytes=0, calibration_grids=())
     encoder.hold.clear()
     encoder.release.clear()
     encoder.in_forward.clear()
-    return RankBatcher(encoder, BatchingConfig(**{**base, **config}), num_threads=1)
+    config = BatchingConfig(**{**base, **config})
+    return RankBatcher(encoder, config, num_threads=1, keep=keep)
 
 
 def one_at_a_time(encoder, items) -> list[np.ndarray]:
@@ -170,6 +171,53 @@ def test_cache_hit_skips_preprocessing_and_forward(encoder, images):
     (again,), _ = asyncio.run(b.encode([encoder.plan(images[0])], "c"))
     assert (b.counters.preprocessed, b.counters.forwarded, b.counters.cache_hits) == (1, 1, 1)
     assert again is first  # the cached buffer itself: no copy on the way in or out
+
+
+def test_an_image_sent_by_digest_is_a_hit_or_asked_for_again(encoder, images):
+    """Without its bytes, an image is answered from the cache, joins its own copy in
+    flight, or is answered NOT_CACHED (evicted): never encoded from nothing, never an
+    error."""
+    b = batcher(encoder, cache_bytes=1 << 20, keep=lambda t: t.clone())
+    item = encoder.plan(images[0])
+    (first,), _ = asyncio.run(b.encode([item], "c"))
+    (hit, missing), _ = asyncio.run(
+        b.encode([encoder.plan(images[0]).by_digest(), encoder.plan(images[2]).by_digest()], "c")
+    )
+    assert hit is first  # what keep made of it, as the cache keeps it
+    assert missing is NOT_CACHED
+    counters = b.counters
+    assert (counters.by_digest, counters.not_cached, counters.cache_hits) == (2, 1, 1)
+    assert (counters.preprocessed, counters.forwarded) == (1, 1)
+    b.cache.clear()  # evicted
+    (gone,), _ = asyncio.run(b.encode([encoder.plan(images[0]).by_digest()], "c"))
+    assert gone is NOT_CACHED
+    assert counters.not_cached == 2
+
+    async def joined():  # its copy with bytes is in the forward: it waits for that one
+        encoder.hold.set()
+        full = asyncio.ensure_future(b.encode([encoder.plan(images[0])], "a"))
+        assert await asyncio.to_thread(encoder.in_forward.wait, BOUND_S)
+        light = asyncio.ensure_future(b.encode([encoder.plan(images[0]).by_digest()], "b"))
+        while counters.joined_in_flight == 0:
+            await asyncio.sleep(0)
+        encoder.hold.clear()
+        encoder.release.set()
+        return await full, await light
+
+    ((a,), _), ((c,), _) = asyncio.run(joined())
+    assert a is c  # one forward for both calls
+    assert torch.equal(a, first)
+
+
+def test_an_item_without_bytes_or_digest_cannot_go_by_digest(encoder, images):
+    item = encoder.plan(images[0])
+    light = item.by_digest()
+    assert light.image is None
+    assert light.sent_by_digest
+    assert item.image is not None  # the original keeps its bytes
+    assert light.image_digest() == item.image_digest()
+    with pytest.raises(ValueError, match="only an image item with its bytes"):
+        light.by_digest()
 
 
 def test_transposed_image_and_background_change_miss(encoder, images):
@@ -338,3 +386,33 @@ def test_calibration_fits_a_cost_that_never_falls(encoder):
 def test_bad_config_is_refused(encoder):
     with pytest.raises(ValueError, match="max_batch_patches must be >= 1"):
         batcher(encoder, max_batch_patches=0)
+
+
+def test_a_cache_larger_than_half_its_object_store_is_refused():
+    from deployments.rank import check_cache_fits
+
+    check_cache_fits(0, 256 << 20, 1 << 30)  # fits
+    check_cache_fits(0, 256 << 20, None)  # Ray did not say: nothing to check
+    with pytest.raises(ValueError, match="more than half") as refused:
+        check_cache_fits(3, 600 << 20, 1 << 30)
+    message = str(refused.value)
+    assert "rank 3: feature_cache_bytes=629145600" in message
+    assert "(1073741824 bytes)" in message
+    assert "--object-store-memory" in message
+
+
+def test_a_failing_keep_fails_only_its_image(encoder, images):
+    def keep(features):
+        if features.shape[0] == first_tokens:
+            raise MemoryError("object store full")
+        return features
+
+    first = encoder.plan(images[0])
+    first_tokens = encoder.vision.num_tokens(first.grid)
+    other = encoder.plan(images[1])
+    assert encoder.vision.num_tokens(other.grid) != first_tokens
+    b = batcher(encoder, cache_bytes=1 << 20, keep=keep)
+    (failed, kept), _ = asyncio.run(b.encode([first, other], "c"))
+    assert isinstance(failed, MemoryError)
+    assert isinstance(kept, torch.Tensor)
+    assert b.cache.stats.entries == 1  # only the kept one is cached

@@ -60,10 +60,12 @@ class FakeRank:
         self.rank = rank
         self.behaviour = behaviour
         self.calls: list[list[int]] = []  # request indices of each encode call
+        self.held: list[list[bool]] = []  # which of them the fan-out expected cached
         self.cancelled = 0
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype) -> FakeCall:
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=()) -> FakeCall:
         self.calls.append(list(indices))
+        self.held.append(list(held))
         return FakeCall(self._encode(list(indices), list(items), feature_dtype))
 
     async def _encode(self, indices, items, feature_dtype):
@@ -91,7 +93,9 @@ class FakeRank:
         return FakeCall(report())
 
 
-def fan_out(ranks: list[FakeRank], timeout_s: float = 30.0, cooldown_s: float = 60.0):
+def fan_out(
+    ranks: list[FakeRank], timeout_s: float = 30.0, cooldown_s: float = 60.0, cache: bool = False
+):
     dispatcher = Dispatcher(
         len(ranks),
         model_name="tiny",
@@ -99,7 +103,7 @@ def fan_out(ranks: list[FakeRank], timeout_s: float = 30.0, cooldown_s: float = 
         cost_model="patches",
         report_interval_ms=0,
         affinity_tolerance=0.25,
-        cache_enabled=False,
+        cache_enabled=cache,
     )
     health = RankHealth(ranks, cooldown_s)
     fanout = FanOut(
@@ -138,6 +142,29 @@ def test_all_ranks_answer_in_request_order():
     for rank in ranks:  # each image went to the owner the gather reports
         for i in rank.calls[0]:
             assert gathered.owners[i] == rank.rank
+
+
+def test_images_a_rank_answered_before_go_to_it_as_expected_hits():
+    ranks = [FakeRank(0), FakeRank(1)]
+    fanout, _ = fan_out(ranks, cache=True)
+    first = items(4, seed=30)
+    asyncio.run(fanout.run(first, "float32"))
+    assert all(not any(held) for r in ranks for held in r.held)  # nothing cached yet
+    owner = {i: r.rank for r in ranks for i in r.calls[0]}
+    # The same images again (new item objects), with one new image and another dtype.
+    again = items(4, seed=30) + items(1, seed=40)
+    gathered = asyncio.run(fanout.run(again, "float32"))
+    assert_in_order(gathered, again)
+    for rank in ranks:
+        for indices, held in zip(rank.calls[1:], rank.held[1:], strict=True):
+            for i, h in zip(indices, held, strict=True):
+                assert h == (i < 4 and owner[i] == rank.rank), (rank.rank, i, h)
+    assert sum(h for r in ranks for held in r.held[1:] for h in held) == 4
+    before = [len(r.held) for r in ranks]
+    asyncio.run(fanout.run(items(4, seed=30), "bfloat16"))  # another key: nothing held
+    third = [held for r, n in zip(ranks, before, strict=True) for held in r.held[n:]]
+    assert sum(len(held) for held in third) == 4
+    assert not any(any(h) for h in third)
 
 
 def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
@@ -343,8 +370,8 @@ class Unrouted(FakeRank):
         self.route = route
         self.pending: list[FakeCall] = []
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype) -> FakeCall:
-        call = super().encode(indices, items, sent_at, caller, feature_dtype)
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=()) -> FakeCall:
+        call = super().encode(indices, items, sent_at, caller, feature_dtype, held)
         call.routed = False
         self.pending.append(call)
         return call

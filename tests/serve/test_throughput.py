@@ -158,10 +158,33 @@ def test_repeated_image_is_a_hit_on_the_rank_holding_it(cache_url):
     again = encode(cache_url, items_of(image)).json()["items"][0]
     after = ranks(cache_url)
     assert again["owner_rank"] == holder  # would be rank 0 by load alone when holder is 1
-    delta = {k: after[holder][k] - before[holder][k] for k in ("cache_hits", "preprocessed")}
-    assert delta == {"cache_hits": 1, "preprocessed": 0}
+    keys = ("cache_hits", "preprocessed", "by_digest", "not_cached")
+    delta = {k: after[holder][k] - before[holder][k] for k in keys}
+    # Sent without its file bytes (the ingress knew the holder), found by its digest.
+    assert delta == {"cache_hits": 1, "preprocessed": 0, "by_digest": 1, "not_cached": 0}
     assert after[holder]["forwarded"] == before[holder]["forwarded"]
     assert again["data"] == first[1]["data"]
+
+
+def test_an_image_sent_by_digest_that_the_rank_lost_is_sent_again_with_its_bytes(deploy):
+    """A rank whose cache no longer holds an image it answered (here: a cache smaller
+    than the features, so nothing stays) answers it missing; the ingress sends it again
+    with its bytes in the same request, and the answer is the first one's."""
+    url = deploy(2, "tiny_cache", feature_cache_bytes=1024)
+    image = fresh(60, 160, 120)
+    first = encode(url, items_of(image))
+    assert first.status_code == 200, first.text
+    (item,) = first.json()["items"]
+    tokens, hidden = item["shape"]
+    assert tokens * hidden * 4 > 1024  # the precondition: too big to be cached
+    before = ranks(url)
+    again = encode(url, items_of(image))
+    after = ranks(url)
+    assert again.status_code == 200, again.text
+    assert again.json()["items"][0]["data"] == item["data"]
+    keys = ("by_digest", "not_cached", "cache_hits", "forwarded")
+    delta = {k: sum(a[k] - b[k] for a, b in zip(after, before, strict=True)) for k in keys}
+    assert delta == {"by_digest": 1, "not_cached": 1, "cache_hits": 0, "forwarded": 1}
 
 
 def test_duplicates_in_one_request_are_encoded_once(cache_url):
