@@ -18,6 +18,13 @@ A call's failure is translated when it is awaited: the errors that mean "not the
 request's doing, send it elsewhere" become ``RankUnavailableError``; an error
 the rank raised (an undecodable image, an encoder failure) is re-raised as
 itself, unwrapped from ``RayTaskError``.
+
+The bytes of a call: images the fan-out expects the rank's cache to hold go by
+digest (``EncoderItem.by_digest``), and the ones the rank answers missing are
+sent again with their bytes by the same ``RankCall``. Features a rank keeps in
+the object store come back as refs and are read in place before the answer is
+handed to the fan-out (``_read_stored``); a ref whose owner died is the rank's
+failure (``ObjectLostError``: unavailable, re-dispatched).
 """
 
 from __future__ import annotations
