@@ -495,3 +495,17 @@ def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
     assert health.failed() == failed
     if failed:
         assert "its replica r0 is gone" in health.info()["down"][0]
+
+
+def test_a_refilled_answer_puts_each_resent_image_back_in_its_place():
+    from deployments.handles import _refilled
+
+    first = {"rank": 1, "features": ["a", None, "c", None], "missing": [1, 3], "encode_ms": 1.0}
+    again = {"rank": 1, "features": ["B", "D"], "missing": [], "encode_ms": 2.0, "load": "new"}
+    merged = _refilled(first, [1, 3], again)
+    assert merged["features"] == ["a", "B", "c", "D"]
+    assert merged["missing"] == []
+    assert merged["encode_ms"] == 3.0
+    assert merged["load"] == "new"  # the later load report
+    with pytest.raises(AssertionError, match="came back missing"):
+        _refilled(first, [1, 3], {**again, "missing": [0]})
