@@ -23,7 +23,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from kimi_encoder.assign import assign_owners, group_by_owner
@@ -46,7 +46,7 @@ class Plan:
     first: list[int]  # index of the copy that is encoded, per item
     keys: list[str]
     work: list[Work]  # per rank: images expected to be encoded (not cache hits)
-    held: set[int] = field(default_factory=set)  # items their owner's cache holds (hits)
+    held: set[int]  # items their owner's cache holds (expected hits)
 
 
 class Dispatcher:

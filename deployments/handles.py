@@ -85,7 +85,6 @@ class RankCall:
         self.rank = rank
         self.replica: str | None = None
         self.started = time.monotonic()
-        self.refilled = 0  # images the rank no longer had, sent again with their bytes
         self._refill = refill
         self._task = asyncio.ensure_future(self._run(handle, route_timeout_s, args, kw))
 
@@ -108,7 +107,6 @@ class RankCall:
         # Sent by digest, evicted since (or the rank was replaced): once more, with bytes.
         assert self._refill is not None, f"rank {self.rank} answered missing images unasked"
         again_args, again_kwargs = self._refill(missing)
-        self.refilled += len(missing)
         again = await self._once(handle, None, again_args, again_kwargs)
         return _refilled(result, missing, again)
 
@@ -188,10 +186,6 @@ async def _read(feature: Any) -> Any:
     return await feature if isinstance(feature, ray.ObjectRef) else feature
 
 
-def _sendable_by_digest(item: EncoderItem) -> bool:
-    return item.image is not None and item.deferred is not None
-
-
 class RankHandle:
     """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``). Encode and info
     calls route until cancelled (the fan-out hedges an unrouted encode call; the info
@@ -217,7 +211,7 @@ class RankHandle:
         with their bytes in a second call, within the same ``RankCall``."""
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
         held = held or [False] * len(items)
-        held = [bool(h) and _sendable_by_digest(i) for h, i in zip(held, items, strict=True)]
+        held = [bool(h) and i.can_go_by_digest for h, i in zip(held, items, strict=True)]
         if not any(held):
             return self._call("encode", None, indices, items, **kwargs)
         sent = [item.by_digest() if h else item for h, item in zip(held, items, strict=True)]
@@ -226,8 +220,7 @@ class RankHandle:
             again = ([indices[k] for k in missing], [items[k] for k in missing])
             return again, {**kwargs, "sent_at": time.time()}
 
-        handle = self.handle.options(method_name="encode")
-        return RankCall(self.rank, handle, None, indices, sent, refill=refill, **kwargs)
+        return self._call("encode", None, indices, sent, refill=refill, **kwargs)
 
     def load(self) -> RankCall:
         return self._call("load", self.route_timeout_s)

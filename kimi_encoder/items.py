@@ -7,7 +7,7 @@ expensive preprocessing is deferred to the rank that owns the item.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import hashlib
 import math
 import numbers
@@ -196,13 +196,17 @@ class EncoderItem:
         """This image item without its file bytes, for a rank whose feature cache holds
         its features: the rank finds them by the digest (and the rest of the cache key,
         all kept) and answers that it no longer has them if they were evicted."""
-        if self.image is None or self.deferred is None:
+        if not self.can_go_by_digest:
             raise ValueError("only an image item with its bytes can be sent by digest")
         digest = self.image_digest()
-        out = copy.copy(self)
-        out.image = None
-        out.image_sha256 = digest
+        out = dataclasses.replace(self, image=None)
+        out.image_sha256 = digest  # init=False: replace does not carry it
         return out
+
+    @property
+    def can_go_by_digest(self) -> bool:
+        """An image item with its file bytes and deferred record (``by_digest`` applies)."""
+        return self.image is not None and self.deferred is not None
 
     @property
     def sent_by_digest(self) -> bool:
