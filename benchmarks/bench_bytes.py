@@ -16,14 +16,16 @@ per rank. Cells:
 A server without ``feature_dtype`` answers 422 to it; such a cell is reported as
 not supported. Next to the hit cells, in the same repeats and with the same request
 and response body sizes, three ceilings: a plain loopback HTTP server (stdlib, one
-process), a trivial Serve deployment returning the body, and that deployment
-behind one deployment-handle hop (the inner returns the body as a numpy array);
+process), a trivial Serve deployment returning the body, that deployment
+behind one deployment-handle hop (the inner returns the body as a numpy array),
+and behind two hops at once (each returns half the body, as dp 2 asks two ranks);
 and ours with ``glibc_tunables: ''`` (glibc's malloc defaults, as the ceilings
 run). Hits and misses are two phases, each with only its own apps deployed.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import http.server
@@ -56,7 +58,7 @@ DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
 FORMATS = ("json", "safetensors")
 CACHE = ("hit", "miss")
 INGRESS = (1, 2)
-CEILINGS = ("plain HTTP", "Serve", "Serve + 1 hop")
+CEILINGS = ("plain HTTP", "Serve", "Serve + 1 hop", "Serve + 2 hops")
 COMMAND = "python -m benchmarks.bench_bytes"
 
 
@@ -189,7 +191,10 @@ class PlainServer:
 
 def ceiling_apps():
     """(echo app, hop app): a Serve deployment that answers ``n`` bytes for ``?n=``, and
-    one that gets them from an inner deployment as a numpy array first."""
+    one that gets them from an inner deployment as a numpy array first; with
+    ``&hops=2`` it asks for each half in a call of its own, both at once, and joins
+    the two arrays into the body (the shape of a dp 2 answer: two rank calls, one
+    join)."""
     from ray import serve
     from starlette.requests import Request
     from starlette.responses import Response
@@ -222,8 +227,15 @@ def ceiling_apps():
 
         async def __call__(self, request: Request) -> Response:
             await request.body()
-            array = await self.inner.remote(int(request.query_params["n"]))
-            return Response(array.tobytes(), media_type="application/octet-stream")
+            n = int(request.query_params["n"])
+            if request.query_params.get("hops") == "2":
+                halves = await asyncio.gather(
+                    self.inner.remote(n // 2), self.inner.remote(n - n // 2)
+                )
+                body = b"".join(memoryview(half) for half in halves)
+            else:
+                body = (await self.inner.remote(n)).tobytes()
+            return Response(body, media_type="application/octet-stream")
 
     return Echo.bind(), Outer.bind(Inner.bind())
 
@@ -372,6 +384,7 @@ def ceiling_setups(
             (CEILINGS[0], plain, f"/{size}"),
             (CEILINGS[1], client, f"/echo?n={size}"),
             (CEILINGS[2], client, f"/hop?n={size}"),
+            (CEILINGS[3], client, f"/hop?n={size}&hops=2"),
         ):
             setups[(name, dtype, fmt)] = _loop(sender(c, path, body, len(images)), s)
     return setups
@@ -515,26 +528,32 @@ def cpu_table(m: Measured, s: Settings) -> str:
 
 
 def ceilings_section(m: Measured, s: Settings) -> Section:
+    one_hop, two_hops = CEILINGS[2], CEILINGS[3]
     rows = []
     for dtype in DTYPES:
         for fmt in FORMATS:
             mbs = [m.mb_per_s((c, dtype, fmt)) for c in CEILINGS]
-            ours = Cell("hit", dtype, fmt, 1)
             rows.append(
                 [
                     f"{dtype} {fmt}",
                     size_text(m, dtype, fmt),
                     *[x.fmt(0) for x in mbs],
-                    ratio_text(m, ours, (CEILINGS[2], dtype, fmt)),
-                    ratio_text(m, Cell("hit", dtype, fmt, 2), (CEILINGS[2], dtype, fmt)),
+                    *(
+                        ratio_text(m, Cell("hit", dtype, fmt, ingress), (hop, dtype, fmt))
+                        for hop in (one_hop, two_hops)
+                        for ingress in INGRESS
+                    ),
                 ]
             )
     header = [
         "answer body",
         "MB",
         *(f"{c}: MB/s" for c in CEILINGS),
-        "ours (hits, 1 ingress) / Serve + 1 hop",
-        "ours (hits, 2 ingress) / Serve + 1 hop",
+        *(
+            f"ours (hits, {ingress} ingress) / {hop}"
+            for hop in (one_hop, two_hops)
+            for ingress in INGRESS
+        ),
     ]
     return Section(
         "Feature bytes: ceilings",
@@ -544,14 +563,49 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             "measured in the same repeats. Plain HTTP: a stdlib `ThreadingHTTPServer` in a "
             "process of its own. Serve: a deployment that reads the request and answers "
             "prepared bytes. Serve + 1 hop: that deployment asks an inner deployment for "
-            "the body as a numpy array (through the object store) and answers its bytes.",
+            "the body as a numpy array (through the object store) and answers its bytes. "
+            "Serve + 2 hops: it asks for each half of the body in a call of its own, both "
+            "at once, and joins them, as our ingress asks its two ranks (dp 2) and joins "
+            "their arrays; nothing else of ours (no request parsing, no hashing, no "
+            "assignment).",
             table(header, rows),
+            CEILING_RATIOS,
+            ceiling_ratio_table(m),
             TUNED,
             tuned_table(m),
             COPIES,
             table(["where", "full-size copies of the features", "code"], COPY_ROWS),
         ],
     )
+
+
+CEILING_RATIOS = (
+    "The ratios of the section above, ours next to the same ratios of the ceilings' "
+    "images/s (each request stands for the same 4 images): what Serve itself allows "
+    "when the answer's size is all that changes."
+)
+
+
+def ceiling_ratio_table(m: Measured) -> str:
+    pairs = [
+        (
+            "bf16 / f32 images/s, safetensors",
+            ("bfloat16", "safetensors"),
+            ("float32", "safetensors"),
+        ),
+        ("bf16 / f32 images/s, JSON", ("bfloat16", "json"), ("float32", "json")),
+        ("JSON / safetensors, f32", ("float32", "json"), ("float32", "safetensors")),
+        ("JSON / safetensors, bf16", ("bfloat16", "json"), ("bfloat16", "safetensors")),
+    ]
+    rows = [
+        [
+            label,
+            ratio_text(m, Cell("hit", *a, 1), Cell("hit", *b, 1)),
+            *(ratio_text(m, (c, *a), (c, *b)) for c in CEILINGS[1:]),
+        ]
+        for label, a, b in pairs
+    ]
+    return table(["ratio", "ours (hits, 1 ingress)", *CEILINGS[1:]], rows)
 
 
 TUNED = (

@@ -8,7 +8,15 @@ One run, three paths carrying the same feature bytes, side by side:
    ingress replica pushes to one PULL socket in this process;
 2. HTTP body: ``POST /v1/encode`` of the same images, answered as safetensors
    through Serve's HTTP proxy;
-3. plain ZMQ: PUSH/PULL on loopback of messages of the parts' size, no server.
+3. plain ZMQ: PUSH/PULL on loopback of messages of the parts' size, no server;
+4. Serve floor: the same ``/encode`` bodies to a trivial Serve deployment that reads
+   the part and pushes prepared bytes of the part's size to the same PULL socket:
+   what any Serve application pays for the HTTP request and the push alone;
+5. Serve floor + 2 hops: that deployment first asks two inner deployments (one
+   process each, as dp 2 has two ranks) for half the bytes each, both at once, and
+   joins them into the pushed frame, as our ingress gathers a part: the floor of a
+   dp 2 hand-off in Serve, with nothing else of ours (no admission, hashing,
+   assignment, checks).
 
 Production width: a checkpoint with the tiny tower, Kimi-K3's ``text_hidden_size``
 7168 and K3's preprocessing, written here with the library and served in
@@ -31,6 +39,7 @@ measurement.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures as cf
 import dataclasses
@@ -62,6 +71,7 @@ PARTS = 4  # distinct parts, sent round robin (all cached after the warm-up)
 CLIENTS = 4
 HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
 APP = "handoff"
+FLOOR = "floor"
 
 
 @dataclasses.dataclass
@@ -73,19 +83,20 @@ class Run:
     per_s: float
     count: int
     usage: cpu.Usage
+    app: str = APP  # whose replicas are the ingress and ranks of this path
 
     def cpu_ms(self, label: str | None = None) -> float:
         """CPU-ms per part of one process label (``bench_serve.labeller``), or of all ours."""
-        labels = self.usage.grouped(bench_serve.labeller(APP))
+        labels = self.usage.grouped(bench_serve.labeller(self.app))
         seconds = self.usage.ours_s if label is None else labels.get(label, 0.0)
         return seconds * 1e3 / max(self.count, 1)
 
 
-def with_cpu(run) -> Run:
+def with_cpu(run, app: str = APP) -> Run:
     """``run()`` -> (MB/s, per second, count), with the CPU of every process around it."""
     before = cpu.snapshot()
     mb, rate, count = run()
-    return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()))
+    return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()), app)
 
 
 def write_wide_checkpoint(root: Path) -> Path:
@@ -184,15 +195,15 @@ def feature_bytes(body: bytes) -> int:
 
 
 def handoff(
-    client: Http, prefix: str, sink: Sink, parts: list[list[bytes]], seconds: float
+    client: Http, path: str, sink: Sink, parts: list[list[bytes]], seconds: float
 ) -> tuple[float, float, int]:
-    """(MB/s, parts/s, parts) pushed to ``sink`` by the ingress."""
+    """(MB/s, parts/s, parts) pushed to ``sink`` by the server at ``path`` (``/encode``)."""
     bodies = [
         json.dumps(part_body(i, images, sink.port)).encode() for i, images in enumerate(parts)
     ]
 
     def send(body: bytes) -> None:
-        client.post(f"{prefix}/encode", body, "application/json")
+        client.post(path, body, "application/json")
 
     messages, nbytes, start = sink.messages, sink.bytes, time.perf_counter()
     sent = closed_loop(send, bodies, CLIENTS, seconds)
@@ -248,6 +259,55 @@ def plain_zmq(
     return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
 
 
+def floor_app():
+    """The Serve floor of a hand-off: ``POST /encode?n=N[&hops=2]`` reads the part and
+    pushes ``N`` prepared bytes to its ``embedding_port``, with ``hops=2`` gathered from
+    two inner deployments first (each returns half as a numpy array, through the object
+    store); a socket per part and the same linger as ours (``ZmqPusher``, one-off port)."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Half:
+        def __init__(self):
+            self.arrays: dict[int, np.ndarray] = {}
+
+        def __call__(self, n: int) -> np.ndarray:
+            if n not in self.arrays:
+                self.arrays[n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            return self.arrays[n]
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Floor:
+        def __init__(self, first, second):
+            import zmq.asyncio
+
+            self.halves = (first, second)
+            self.context = zmq.asyncio.Context()
+            self.prepared: dict[int, bytes] = {}
+
+        async def __call__(self, request: Request) -> Response:
+            part = json.loads(await request.body())
+            n = int(request.query_params["n"])
+            if request.query_params.get("hops") == "2":
+                first, second = self.halves
+                halves = await asyncio.gather(first.remote(n // 2), second.remote(n - n // 2))
+                payload = b"".join(memoryview(half) for half in halves)
+            else:
+                payload = self.prepared.setdefault(n, np.random.default_rng(n).bytes(n))
+            sock = self.context.socket(zmq.PUSH)
+            sock.connect(f"tcp://{part['prefill_host']}:{part['embedding_port']}")
+            await sock.send_multipart([b"meta", payload], copy=False)
+            sock.close(linger=30_000)
+            return Response(b"{}", media_type="application/json")
+
+    # Named like ranks, so the CPU tables put each inner deployment on a rank's row.
+    first = Half.options(name="EncoderRank_0").bind()
+    second = Half.options(name="EncoderRank_1").bind()
+    return Floor.bind(first, second)
+
+
 def warm_up(client: Http, prefix: str, sink: Sink, parts: list[list[bytes]]) -> None:
     """Every part once on both paths: the ranks' caches hold all images afterwards."""
     messages = sink.messages
@@ -299,15 +359,25 @@ def sections(quick: bool) -> list[Section]:
             prefix = deploy(serve, checkpoint)
             warm_up(client, prefix, sink, parts)
             part_size = sink.bytes // max(sink.messages, 1)
+            serve.run(floor_app(), name=FLOOR, route_prefix=f"/{FLOOR}")
+            floor = f"/{FLOOR}/encode?n={part_size}"
             paths = {
                 "hand-off: /encode, pushed over ZMQ": lambda: with_cpu(
-                    lambda: handoff(client, prefix, sink, parts, window)
+                    lambda: handoff(client, f"{prefix}/encode", sink, parts, window)
                 ),
                 "HTTP body: /v1/encode safetensors": lambda: with_cpu(
                     lambda: http_body(client, prefix, parts, window)
                 ),
                 "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
                     lambda: plain_zmq(context, sink, part_size, window)
+                ),
+                "Serve floor: trivial /encode, prepared bytes pushed": lambda: with_cpu(
+                    lambda: handoff(client, floor, sink, parts, window), FLOOR
+                ),
+                "Serve floor + 2 hops: halves from two deployments, joined, pushed": (
+                    lambda: with_cpu(
+                        lambda: handoff(client, f"{floor}&hops=2", sink, parts, window), FLOOR
+                    )
                 ),
             }
             measured = alternate(paths, repeats, rerun_if=server_failed)
@@ -317,7 +387,7 @@ def sections(quick: bool) -> list[Section]:
             sink.close()
             context.term()
     mb = {path: [run.mb_per_s for run in runs] for path, runs in measured.items()}
-    ours, http, plain = mb.values()
+    ours, http, plain, bare, two_hops = mb.values()
     rows = [
         [
             path,
@@ -342,13 +412,28 @@ def sections(quick: bool) -> list[Section]:
             ["hand-off / HTTP body (MB/s)", f"**{ratio(ours, http).fmt(2, 'x')}**", ">= 2x"],
         ],
     )
+    floors = table(
+        ["figure", "median (min–max)"],
+        [
+            ["Serve floor / plain ZMQ", ratio(bare, plain).fmt(2, "x")],
+            ["Serve floor + 2 hops / plain ZMQ", ratio(two_hops, plain).fmt(2, "x")],
+            ["hand-off / Serve floor + 2 hops", ratio(ours, two_hops).fmt(2, "x")],
+        ],
+    )
     return [
         Section(
             "Engine hand-off",
             "python -m benchmarks.bench_handoff",
-            [note, table(HEADER, rows), verdict, *cpu_tables(measured)],
+            [note, table(HEADER, rows), verdict, FLOORS, floors, *cpu_tables(measured)],
         )
     ]
+
+
+FLOORS = (
+    "What Serve allows (the floors run on the same cluster in the same repeats, their "
+    "requests the same `/encode` bodies): a target above the floor's own ratio cannot be "
+    "met by any Serve application that takes the part over HTTP and asks two ranks."
+)
 
 
 def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
@@ -369,7 +454,8 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
     ]
     note = (
         "CPU-ms per part (plain ZMQ: per message) by process (the ingress row includes the "
-        "hand-off registry replica), over the same windows; the "
+        "hand-off registry replica; for a floor it is the outer deployment, and its two inner "
+        "ones are on the rank rows), over the same windows; the "
         f"limit is {cores} cores' milliseconds divided by all of ours per part. A path at its "
         "limit with every core busy gets faster only by spending fewer CPU-ms per part; the "
         "table shows whose they are."
