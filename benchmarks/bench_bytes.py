@@ -609,8 +609,10 @@ def ceiling_ratio_table(m: Measured) -> str:
 
 
 TUNED = (
-    "Our replicas run with `glibc_tunables` (default `glibc.malloc.hugetlb=1`: malloc on "
-    "transparent huge pages) in their environment; the ceilings' deployments and Serve's "
+    "Our replicas run with `glibc_tunables` (default "
+    "`glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456`: malloc keeps large "
+    "blocks in its heaps, so an answer body reuses pages already mapped) in their "
+    "environment; the ceilings' deployments and Serve's "
     "proxy run with the cluster's (glibc's defaults). Ours with `glibc_tunables: ''`, in "
     "the same repeats:"
 )
