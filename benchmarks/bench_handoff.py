@@ -10,11 +10,9 @@ One run, three paths carrying the same feature bytes, side by side:
    through Serve's HTTP proxy;
 3. plain ZMQ: PUSH/PULL on loopback of messages of the parts' size, no server;
 4. Serve floor: the same ``/encode`` bodies to a trivial Serve deployment that reads
-   the part and pushes prepared bytes of the part's size to the same PULL socket:
-   what any Serve application pays for the HTTP request and the push alone;
-5. Serve floor + 2 hops: that deployment first asks two inner deployments (one
-   process each, as dp 2 has two ranks) for half the bytes each, both at once, and
-   joins them into the pushed frame, as our ingress gathers a part: the floor of a
+   the part, asks two inner deployments (one process each, as dp 2 has two ranks)
+   for half the part's bytes each, both at once, joins them into one frame, as our
+   ingress gathers a part, and pushes it to the same PULL socket: the floor of a
    dp 2 hand-off in Serve, with nothing else of ours (no admission, hashing,
    assignment, checks).
 
@@ -260,10 +258,10 @@ def plain_zmq(
 
 
 def floor_app():
-    """The Serve floor of a hand-off: ``POST /encode?n=N[&hops=2]`` reads the part and
-    pushes ``N`` prepared bytes to its ``embedding_port``, with ``hops=2`` gathered from
-    two inner deployments first (each returns half as a numpy array, through the object
-    store); a socket per part and the same linger as ours (``ZmqPusher``, one-off port)."""
+    """The Serve floor of a dp 2 hand-off: ``POST /encode?n=N`` reads the part, gets
+    ``N`` bytes as two halves from two inner deployments (each a numpy array, through
+    the object store), joins them and pushes them to the part's ``embedding_port``; a
+    socket per part and the same linger as ours (``ZmqPusher``, one-off port)."""
     from ray import serve
     from starlette.requests import Request
     from starlette.responses import Response
@@ -285,17 +283,13 @@ def floor_app():
 
             self.halves = (first, second)
             self.context = zmq.asyncio.Context()
-            self.prepared: dict[int, bytes] = {}
 
         async def __call__(self, request: Request) -> Response:
             part = json.loads(await request.body())
             n = int(request.query_params["n"])
-            if request.query_params.get("hops") == "2":
-                first, second = self.halves
-                halves = await asyncio.gather(first.remote(n // 2), second.remote(n - n // 2))
-                payload = b"".join(memoryview(half) for half in halves)
-            else:
-                payload = self.prepared.setdefault(n, np.random.default_rng(n).bytes(n))
+            first, second = self.halves
+            halves = await asyncio.gather(first.remote(n // 2), second.remote(n - n // 2))
+            payload = b"".join(memoryview(half) for half in halves)
             sock = self.context.socket(zmq.PUSH)
             sock.connect(f"tcp://{part['prefill_host']}:{part['embedding_port']}")
             await sock.send_multipart([b"meta", payload], copy=False)
@@ -371,13 +365,8 @@ def sections(quick: bool) -> list[Section]:
                 "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
                     lambda: plain_zmq(context, sink, part_size, window)
                 ),
-                "Serve floor: trivial /encode, prepared bytes pushed": lambda: with_cpu(
+                "Serve floor: trivial /encode, two hops joined, pushed": lambda: with_cpu(
                     lambda: handoff(client, floor, sink, parts, window), FLOOR
-                ),
-                "Serve floor + 2 hops: halves from two deployments, joined, pushed": (
-                    lambda: with_cpu(
-                        lambda: handoff(client, f"{floor}&hops=2", sink, parts, window), FLOOR
-                    )
                 ),
             }
             measured = alternate(paths, repeats, rerun_if=server_failed)
@@ -387,7 +376,7 @@ def sections(quick: bool) -> list[Section]:
             sink.close()
             context.term()
     mb = {path: [run.mb_per_s for run in runs] for path, runs in measured.items()}
-    ours, http, plain, bare, two_hops = mb.values()
+    ours, http, plain, bare = mb.values()
     rows = [
         [
             path,
@@ -416,8 +405,7 @@ def sections(quick: bool) -> list[Section]:
         ["figure", "median (min–max)"],
         [
             ["Serve floor / plain ZMQ", ratio(bare, plain).fmt(2, "x")],
-            ["Serve floor + 2 hops / plain ZMQ", ratio(two_hops, plain).fmt(2, "x")],
-            ["hand-off / Serve floor + 2 hops", ratio(ours, two_hops).fmt(2, "x")],
+            ["hand-off / Serve floor", ratio(ours, bare).fmt(2, "x")],
         ],
     )
     return [
@@ -430,9 +418,10 @@ def sections(quick: bool) -> list[Section]:
 
 
 FLOORS = (
-    "What Serve allows (the floors run on the same cluster in the same repeats, their "
-    "requests the same `/encode` bodies): a target above the floor's own ratio cannot be "
-    "met by any Serve application that takes the part over HTTP and asks two ranks."
+    "What Serve allows (the floor runs on the same cluster in the same repeats, its "
+    "requests the same `/encode` bodies, its replicas with the cluster's malloc settings): "
+    "a target above the floor's own ratio cannot be met by a Serve application that takes "
+    "the part over HTTP and asks two ranks for it."
 )
 
 
@@ -454,7 +443,7 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
     ]
     note = (
         "CPU-ms per part (plain ZMQ: per message) by process (the ingress row includes the "
-        "hand-off registry replica; for a floor it is the outer deployment, and its two inner "
+        "hand-off registry replica; for the floor it is the outer deployment, and its two inner "
         "ones are on the rank rows), over the same windows; the "
         f"limit is {cores} cores' milliseconds divided by all of ours per part. A path at its "
         "limit with every core busy gets faster only by spending fewer CPU-ms per part; the "
