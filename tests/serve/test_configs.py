@@ -116,8 +116,8 @@ def test_bad_args_fail_validation(args, fragment):
 @pytest.mark.parametrize("tunables", [None, "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2", ""])
 def test_every_replica_gets_the_glibc_tunables_of_the_args(tunables):
     """The ingress, the hand-off registry and every rank run with ``glibc_tunables`` as
-    their GLIBC_TUNABLES (huge pages for malloc by default); '' leaves their environment
-    to the cluster's."""
+    their GLIBC_TUNABLES (large malloc blocks kept in the heaps by default); '' leaves
+    their environment to the cluster's."""
     args = AppArgs(dp_size=2) if tunables is None else AppArgs(dp_size=2, glibc_tunables=tunables)
     built = build_deployments(build_app(args), name="app").deployments
     assert {d.name for d in built} == {INGRESS_NAME, REGISTRY_NAME, rank_name(0), rank_name(1)}
