@@ -102,7 +102,7 @@ def sections(quick: bool) -> list[Section]:
                         bench_handoff.http_body(s.client, s.prefix, parts, window)
                     )
                     setups[("hand-off parts", name)] = lambda s=server: bench_handoff.handoff(
-                        s.client, s.prefix, sink, parts, window
+                        s.client, f"{s.prefix}/encode", sink, parts, window
                     )
                 measured = alternate(setups, repeats, rerun_if=server_failed)
     finally:
