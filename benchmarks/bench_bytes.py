@@ -189,6 +189,24 @@ class PlainServer:
         self.proc.join()
 
 
+def byte_arrays():
+    """A Serve deployment answering ``n`` seeded random bytes as a numpy array (through the
+    object store), prepared once per size: the inner side of a hop."""
+    from ray import serve
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
+    class Inner:
+        def __init__(self):
+            self.arrays: dict[int, np.ndarray] = {}
+
+        def __call__(self, n: int) -> np.ndarray:
+            if n not in self.arrays:
+                self.arrays[n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+            return self.arrays[n]
+
+    return Inner
+
+
 def ceiling_apps():
     """(echo app, hop app): a Serve deployment that answers ``n`` bytes for ``?n=``, and
     one that gets them from an inner deployment as a numpy array first; with
@@ -210,15 +228,7 @@ def ceiling_apps():
             body = self.bodies.setdefault(n, np.random.default_rng(n).bytes(n))
             return Response(body, media_type="application/octet-stream")
 
-    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-    class Inner:
-        def __init__(self):
-            self.arrays: dict[int, np.ndarray] = {}
-
-        def __call__(self, n: int) -> np.ndarray:
-            if n not in self.arrays:
-                self.arrays[n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-            return self.arrays[n]
+    Inner = byte_arrays()
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     class Outer:

@@ -58,7 +58,7 @@ from PIL import Image
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.weights import write_checkpoint
 
-from . import bench_serve, cpu
+from . import bench_bytes, bench_serve, cpu
 from .common import Section, alternate, image, ratio, spread, standalone, table
 from .serving import Http, free_port, server_failed
 
@@ -267,16 +267,6 @@ def floor_app():
     from starlette.responses import Response
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
-    class Half:
-        def __init__(self):
-            self.arrays: dict[int, np.ndarray] = {}
-
-        def __call__(self, n: int) -> np.ndarray:
-            if n not in self.arrays:
-                self.arrays[n] = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-            return self.arrays[n]
-
-    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=256)
     class Floor:
         def __init__(self, first, second):
             import zmq.asyncio
@@ -297,8 +287,9 @@ def floor_app():
             return Response(b"{}", media_type="application/json")
 
     # Named like ranks, so the CPU tables put each inner deployment on a rank's row.
-    first = Half.options(name="EncoderRank_0").bind()
-    second = Half.options(name="EncoderRank_1").bind()
+    half = bench_bytes.byte_arrays()
+    first = half.options(name="EncoderRank_0").bind()
+    second = half.options(name="EncoderRank_1").bind()
     return Floor.bind(first, second)
 
 
