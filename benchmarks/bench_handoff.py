@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_handoff [--quick]
 
-One run, three paths carrying the same feature bytes, side by side:
+One run, four paths carrying the same feature bytes, side by side:
 
 1. hand-off: sglang ``POST /encode`` parts (zmq_to_tokenizer) whose frames the
    ingress replica pushes to one PULL socket in this process;
