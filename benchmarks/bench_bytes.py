@@ -60,6 +60,13 @@ CACHE = ("hit", "miss")
 INGRESS = (1, 2)
 CEILINGS = ("plain HTTP", "Serve", "Serve + 1 hop", "Serve + 2 hops")
 COMMAND = "python -m benchmarks.bench_bytes"
+# The ratios of images/s: (label, (dtype, format) over (dtype, format)).
+RATIOS = (
+    ("bf16 / f32 images/s, JSON", ("bfloat16", "json"), ("float32", "json")),
+    ("bf16 / f32, safetensors", ("bfloat16", "safetensors"), ("float32", "safetensors")),
+    ("JSON / safetensors, f32", ("float32", "json"), ("float32", "safetensors")),
+    ("JSON / safetensors, bf16", ("bfloat16", "json"), ("bfloat16", "safetensors")),
+)
 
 
 @dataclass(frozen=True)
@@ -469,28 +476,19 @@ def throughput_section(m: Measured, s: Settings) -> Section:
         "images/s",
         "2 ingress / 1",
     ]
-    ratios = []
-    for cache in CACHE:
-        for ingress in INGRESS:
-            c = {(d, f): Cell(cache, d, f, ingress) for d in DTYPES for f in FORMATS}
-            ratios.append(
-                [
-                    cache,
-                    ingress,
-                    ratio_text(m, c["bfloat16", "json"], c["float32", "json"]),
-                    ratio_text(m, c["bfloat16", "safetensors"], c["float32", "safetensors"]),
-                    ratio_text(m, c["float32", "json"], c["float32", "safetensors"]),
-                    ratio_text(m, c["bfloat16", "json"], c["bfloat16", "safetensors"]),
-                ]
-            )
-    ratio_header = [
-        "cache",
-        "ingress",
-        "bf16 / f32 images/s, JSON",
-        "bf16 / f32, safetensors",
-        "JSON / safetensors, f32",
-        "JSON / safetensors, bf16",
+    ratios = [
+        [
+            cache,
+            ingress,
+            *(
+                ratio_text(m, Cell(cache, *a, ingress), Cell(cache, *b, ingress))
+                for _, a, b in RATIOS
+            ),
+        ]
+        for cache in CACHE
+        for ingress in INGRESS
     ]
+    ratio_header = ["cache", "ingress", *(label for label, _, _ in RATIOS)]
     return Section(
         f"Feature bytes at K3 width {s.width}",
         COMMAND,
@@ -597,23 +595,13 @@ CEILING_RATIOS = (
 
 
 def ceiling_ratio_table(m: Measured) -> str:
-    pairs = [
-        (
-            "bf16 / f32 images/s, safetensors",
-            ("bfloat16", "safetensors"),
-            ("float32", "safetensors"),
-        ),
-        ("bf16 / f32 images/s, JSON", ("bfloat16", "json"), ("float32", "json")),
-        ("JSON / safetensors, f32", ("float32", "json"), ("float32", "safetensors")),
-        ("JSON / safetensors, bf16", ("bfloat16", "json"), ("bfloat16", "safetensors")),
-    ]
     rows = [
         [
             label,
             ratio_text(m, Cell("hit", *a, 1), Cell("hit", *b, 1)),
             *(ratio_text(m, (c, *a), (c, *b)) for c in CEILINGS[1:]),
         ]
-        for label, a, b in pairs
+        for label, a, b in RATIOS
     ]
     return table(["ratio", "ours (hits, 1 ingress)", *CEILINGS[1:]], rows)
 
