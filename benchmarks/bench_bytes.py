@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench_serve
+from . import bench_serve, cpu
 from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
 from .serving import (
     Cluster,
@@ -59,6 +59,9 @@ FORMATS = ("json", "safetensors")
 CACHE = ("hit", "miss")
 INGRESS = (1, 2)
 CEILINGS = ("plain HTTP", "Serve", "Serve + 1 hop", "Serve + 2 hops")
+# The Serve app each ceiling runs in (``ceiling_apps``): whose replicas its CPU is.
+CEILING_APPS = {CEILINGS[1]: "echo", CEILINGS[2]: "hop", CEILINGS[3]: "hop"}
+OURS = "ours (hits, 1 ingress)"
 COMMAND = "python -m benchmarks.bench_bytes"
 # The issue's ratios of images/s: (label, (dtype, format) over (dtype, format)).
 RATIOS = (
@@ -551,6 +554,7 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
                         for hop in (one_hop, two_hops)
                         for ingress in INGRESS
                     ),
+                    ratio_text(m, (two_hops, dtype, fmt), (one_hop, dtype, fmt)),
                 ]
             )
     header = [
@@ -562,6 +566,7 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             for hop in (one_hop, two_hops)
             for ingress in INGRESS
         ),
+        f"{two_hops} / {one_hop}",
     ]
     return Section(
         "Feature bytes: ceilings",
@@ -579,6 +584,8 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             table(header, rows),
             CEILING_RATIOS,
             ceiling_ratio_table(m),
+            PER_REQUEST,
+            per_request_table(m),
             TUNED,
             tuned_table(m),
             COPIES,
@@ -603,7 +610,49 @@ def ceiling_ratio_table(m: Measured) -> str:
         ]
         for label, a, b in RATIOS
     ]
-    return table(["ratio", "ours (hits, 1 ingress)", *CEILINGS[1:]], rows)
+    return table(["ratio", OURS, *CEILINGS[1:]], rows)
+
+
+PER_REQUEST = (
+    "CPU per request in the same safetensors cells, where a request passes: the app's "
+    "replicas, Serve's proxy and Ray's system processes (not the client, the controller or "
+    "other apps' idle replicas). A bfloat16 answer carries half the float32 payload; what "
+    "a path spends on a bfloat16 request beyond half its float32 figure does not shrink "
+    "with the payload, and the more of that a path has, the further its bf16 / f32 "
+    "images/s falls below 2x."
+)
+
+
+def request_cpu_ms(w: Window, app: str) -> float:
+    """CPU-ms per request where a request of ``app`` passes: its replicas, Serve's proxy
+    and Ray's system processes (not the client, the controller or other apps' replicas)."""
+    grouped = w.usage.grouped(bench_serve.labeller(app))
+    skip = (cpu.CLIENT, cpu.CONTROLLER, cpu.OTHER_CHILD, bench_serve.OTHER_APPS)
+    spent = sum(seconds for role, seconds in grouped.items() if role not in skip)
+    return spent * 1e3 / (w.requests_per_s * w.usage.wall_s)
+
+
+def path_key(path: str, dtype: str) -> tuple:
+    """(windows key, app) of ``path`` (``OURS`` or a Serve ceiling) in its safetensors cell."""
+    if path == OURS:
+        cell = Cell("hit", dtype, "safetensors", 1)
+        return cell, cell.app
+    return (path, dtype, "safetensors"), CEILING_APPS[path]
+
+
+def per_request_table(m: Measured) -> str:
+    rows = []
+    for path in (OURS, *CEILING_APPS):
+        row = [path]
+        for dtype in DTYPES:
+            key, app = path_key(path, dtype)
+            if key in m.unsupported:
+                row.append("n/a (not supported)")
+            else:
+                row.append(spread([request_cpu_ms(w, app) for w in m.windows[key]]).fmt(1))
+        rows.append(row)
+    header = ["path (safetensors, hits)", *(f"{d}: CPU-ms per request" for d in DTYPES)]
+    return table(header, rows)
 
 
 TUNED = (

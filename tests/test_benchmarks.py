@@ -328,6 +328,37 @@ def test_expected_body_sizes_of_bfloat16():
     assert expected(st_size(f32), "safetensors", item, 4, "float32") == st_size(f32)
 
 
+def per_request(app: str, requests_per_s: float, cpu_ms: dict[str, float]) -> serving.Window:
+    """A 1 s window of ``app`` whose replicas spent ``cpu_ms`` per request (by deployment),
+    next to CPU that is not the request's: the client, the controller, another app."""
+    roles = {f"replica {app}:{name}": ms * requests_per_s / 1e3 for name, ms in cpu_ms.items()}
+    roles |= {cpu.CLIENT: 0.5, cpu.CONTROLLER: 0.1, "replica idle:Echo": 0.3}
+    return window(2 * requests_per_s, 1.0, roles, busy=2.0)
+
+
+def test_cpu_per_request_counts_only_where_a_request_passes():
+    """Ours: 80 CPU-ms per float32 request, 60 per bfloat16 one; each ceiling 50 and 30;
+    the client, the controller and an idle app spend CPU too, which is not counted."""
+    ours = bench_bytes.Cell("hit", "float32", "safetensors", 1).app
+    m = bench_bytes.Measured()
+    for dtype, ours_ms, theirs_ms, rate in (("float32", 80, 50, 10.0), ("bfloat16", 60, 30, 12.5)):
+        spent = {
+            "EncodeServer": ours_ms / 2,
+            "EncoderRank_0": ours_ms / 4,
+            "EncoderRank_1": ours_ms / 4,
+        }
+        m.windows[bench_bytes.Cell("hit", dtype, "safetensors", 1)] = [
+            per_request(ours, rate, spent)
+        ]
+        for path, app in bench_bytes.CEILING_APPS.items():
+            spent = {"Outer": theirs_ms - 5, "Inner": 5}
+            m.windows[(path, dtype, "safetensors")] = [per_request(app, 2 * rate, spent)]
+    text = bench_bytes.per_request_table(m)
+    assert "| ours (hits, 1 ingress) | 80.0 (80.0–80.0) | 60.0 (60.0–60.0) |" in text
+    for path in bench_bytes.CEILING_APPS:
+        assert f"| {path} | 50.0 (50.0–50.0) | 30.0 (30.0–30.0) |" in text
+
+
 def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
     """The harness end to end on loopback: stdlib server, lean clients, the window."""
     with bench_bytes.PlainServer() as plain:
