@@ -243,6 +243,16 @@ class AppArgs(BaseModel):
         ge=0,
         description="Per-rank LRU feature cache in bytes (0 disables it and cache affinity).",
     )
+    ingress_cache_bytes: int = Field(
+        0,
+        ge=0,
+        description="Per-ingress-replica LRU, in bytes of features, of references to the "
+        "features the ranks' caches wrote into Ray's object store: a repeated image is then "
+        "answered by the ingress without a rank call. A referenced entry stays in the object "
+        "store after its rank's cache drops it, so the store holds up to dp_size x "
+        "feature_cache_bytes + ingress_replicas x this; needs feature_cache_bytes > 0. 0 "
+        "disables it.",
+    )
     cache_affinity_tolerance: float = Field(
         0.25,
         ge=0,
@@ -392,6 +402,21 @@ class AppArgs(BaseModel):
                 f"{self.rank_actor_options.num_gpus}); set num_gpus: 1 or use device 'cpu'."
             )
         return self
+
+    @model_validator(mode="after")
+    def _ingress_cache_needs_rank_cache(self) -> AppArgs:
+        if self.ingress_cache_bytes and not self.feature_cache_bytes:
+            raise ValueError(
+                f"ingress_cache_bytes={self.ingress_cache_bytes} keeps references to the "
+                "features the ranks' caches hold, but feature_cache_bytes is 0 (no rank "
+                "cache); set feature_cache_bytes > 0, or ingress_cache_bytes: 0."
+            )
+        return self
+
+    @property
+    def ingress_cache_share(self) -> int:
+        """Object-store bytes the ingress replicas' caches may keep alive, all together."""
+        return self.ingress_replicas * self.ingress_cache_bytes
 
     def replica_env(self) -> dict:
         """``ray_actor_options`` entries every replica of the app gets (its environment)."""

@@ -152,12 +152,17 @@ class Dispatcher:
     def loads(self) -> list[float]:
         return rank_loads(self._own, self._reports, self.caller, self.cost_model)
 
+    def keys(self, items: Sequence[EncoderItem], feature_dtype: str) -> list[str]:
+        """Each item's feature-cache key, as the ranks' caches key its features in
+        ``feature_dtype`` (``kimi_encoder.cache.item_key``)."""
+        return [item_key(item, self.model_name, f"{self.dtype}->{feature_dtype}") for item in items]
+
     def plan(
         self, items: Sequence[EncoderItem], feature_dtype: str, exclude: Collection[int] = ()
     ) -> Plan:
         """Owners of ``items`` (their features wanted in ``feature_dtype``); ranks in
         ``exclude`` (down) get none."""
-        keys = [item_key(item, self.model_name, f"{self.dtype}->{feature_dtype}") for item in items]
+        keys = self.keys(items, feature_dtype)
         seen: dict[str, int] = {}
         first = [seen.setdefault(key, i) for i, key in enumerate(keys)]
         unique = sorted(seen.values())

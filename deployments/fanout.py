@@ -137,6 +137,20 @@ class RankClient(Protocol):
         ...
 
 
+class KeptFeatures(Protocol):
+    """Features this ingress replica keeps a handle to (``handles.IngressCache``): a
+    repeated image is answered from them without a rank call."""
+
+    async def lookup(self, keys: Sequence[str]) -> dict[int, tuple[np.ndarray, int]]:
+        """Position in ``keys`` -> (features, the rank that encoded them), for the keys
+        whose features are still there."""
+        ...
+
+    def keep(self, key: str, handle: Any, nbytes: int, rank: int) -> None:
+        """Keep ``handle`` (an answer's ``refs`` entry) to ``key``'s features."""
+        ...
+
+
 @dataclass
 class RankAnswer:
     """One rank's answer to one call, with the time (``time.time()``) it arrived."""
@@ -161,6 +175,8 @@ class Gathered:
     dtype: str
     answers: dict[int, RankAnswer] = field(default_factory=dict)
     redispatched: int = 0
+    keys: list[str] | None = None  # every item's cache key, with kept features on
+    kept: int = 0  # items answered from features the ingress kept (no rank call)
 
 
 @dataclass
@@ -328,6 +344,7 @@ class FanOut:
         slow_factor: float = 3.0,
         route_late_s: float = math.inf,
         in_flight: InFlight | None = None,
+        kept: KeptFeatures | None = None,
     ):
         self.ranks = ranks
         self.dispatcher = dispatcher
@@ -338,6 +355,7 @@ class FanOut:
         self.slow_factor = slow_factor
         self.route_late_s = route_late_s
         self.in_flight = in_flight or (lambda _: nullcontext())
+        self.kept = kept
         dispatcher.on_silent = self._silent
 
     async def run(self, items: Sequence[EncoderItem], feature_dtype: str) -> Gathered:
@@ -345,7 +363,9 @@ class FanOut:
         deadline = time.monotonic() + self.timeout_s
         n = len(items)
         gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
-        await self.dispatcher.refresh(self.ranks, skip=self.health.down())
+        await self._fill_kept(items, gathered)
+        if gathered.kept < n:
+            await self.dispatcher.refresh(self.ranks, skip=self.health.down())
         flights: list[_Flight] = []
         try:
             while any(f is None for f in gathered.features):
@@ -370,6 +390,15 @@ class FanOut:
                     f"grid needs {expected}"
                 )
         return gathered
+
+    async def _fill_kept(self, items: Sequence[EncoderItem], gathered: Gathered) -> None:
+        """Fill in the features this ingress replica kept (none without ``kept``)."""
+        if self.kept is None:
+            return
+        gathered.keys = self.dispatcher.keys(items, gathered.dtype)
+        for i, (array, rank) in (await self.kept.lookup(gathered.keys)).items():
+            gathered.features[i], gathered.owners[i] = array, rank
+            gathered.kept += 1
 
     def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> list[int]:
         """Request indices without features that no call is working on: no call on time,
@@ -478,10 +507,14 @@ class FanOut:
         self.dispatcher.observe(rank, result.get("load"))
         self.dispatcher.record(flight.plan, only={rank})
         gathered.answers[rank] = RankAnswer(rank, result, arrived_at)
+        refs = result.get("refs") if self.kept is not None else None
         for index, block in flight.covers.items():
             if gathered.features[index] is None:  # a hedged copy may have answered first
                 gathered.features[index] = result["features"][block]
                 gathered.owners[index] = rank
+            if refs and refs[block] is not None and gathered.keys is not None:
+                array = result["features"][block]
+                self.kept.keep(gathered.keys[index], refs[block], array.nbytes, rank)
 
     def _late(self, flight: _Flight, gathered: Gathered, unrouted: bool = False) -> None:
         """No answer by the time its load predicts, or no replica took it in time: the

@@ -27,7 +27,7 @@ from .admission import Admission, BodySlots
 from .args import AppArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut, RankHealth
-from .handles import RankHandle, RegistryHandle
+from .handles import IngressCache, RankHandle, RegistryHandle
 from .handoff import Handoff
 from .metrics import IngressMetrics
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
@@ -74,6 +74,7 @@ class EncodeServer:
             route_timeout_s=timeout,
         )
         self.health = RankHealth(self.ranks, args.rank_cooldown_s)
+        self.kept = IngressCache(args.ingress_cache_bytes) if args.ingress_cache_bytes else None
         self.metrics = IngressMetrics(args.dp_size)
         self.fanout = FanOut(
             self.ranks,
@@ -85,6 +86,7 @@ class EncodeServer:
             slow_factor=args.rank_slow_factor,
             route_late_s=args.rank_route_timeout_s,
             in_flight=self.metrics.dispatched,
+            kept=self.kept,
         )
         self.handoff = Handoff(
             args, self.admission, self.fanout, RegistryHandle(registry), self.api_key
@@ -125,6 +127,7 @@ class EncodeServer:
             "dp_size": len(self.ranks),
             "assignment": self.dispatcher.info(),
             "failover": self.health.info(),
+            "ingress_cache": self.kept.info() if self.kept is not None else None,
             "handoff": await self.handoff.info(),
             "ranks": ranks,
         }

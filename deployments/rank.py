@@ -92,7 +92,8 @@ class EncoderRank:
         )
         batching = args.batching_config()
         if batching.cache_bytes:
-            check_cache_fits(rank, batching.cache_bytes, node_object_store_bytes())
+            store = node_object_store_bytes()
+            check_cache_fits(rank, batching.cache_bytes, store, args.ingress_cache_share)
         keep = StoredFeatures.put if batching.cache_bytes else None
         self.batcher = RankBatcher(self.encoder, batching, num_threads, keep=keep)
         self.vision = self.encoder.vision
@@ -266,17 +267,22 @@ def node_object_store_bytes() -> float | None:
     return None
 
 
-def check_cache_fits(rank: int, cache_bytes: int, store_bytes: float | None) -> None:
+def check_cache_fits(
+    rank: int, cache_bytes: int, store_bytes: float | None, ingress_share: int = 0
+) -> None:
     """Refuse a feature cache larger than half of its node's object store, where it lives
     (``StoredFeatures``): the node's other ranks and every answer in flight share it, and
-    Ray would spill cached features to disk rather than fail."""
-    if store_bytes is None or cache_bytes <= store_bytes / 2:
+    Ray would spill cached features to disk rather than fail. ``ingress_share``: what the
+    ingress replicas' caches may keep alive of them (``ingress_cache_bytes``), counted too."""
+    if store_bytes is None or cache_bytes + ingress_share <= store_bytes / 2:
         return
+    also = f" plus ingress_replicas x ingress_cache_bytes={ingress_share}" if ingress_share else ""
     raise ValueError(
-        f"rank {rank}: feature_cache_bytes={cache_bytes} is more than half of this node's "
-        f"Ray object store ({int(store_bytes)} bytes), which holds the cached features of "
-        "every rank on the node and the answers in flight. Lower feature_cache_bytes (0 "
-        "disables the cache), or start Ray with a larger --object-store-memory."
+        f"rank {rank}: feature_cache_bytes={cache_bytes}{also} is more than half of this "
+        f"node's Ray object store ({int(store_bytes)} bytes), which holds the cached features "
+        "of every rank on the node and the answers in flight. Lower feature_cache_bytes (0 "
+        "disables the cache) or ingress_cache_bytes, or start Ray with a larger "
+        "--object-store-memory."
     )
 
 

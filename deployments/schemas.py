@@ -281,6 +281,12 @@ class InfoResponse(BaseModel):
         "reason), replicas (the replica each rank last answered from), unavailable_errors "
         "and recoveries per rank, redispatched_images, hedged_images, cooldown_s.",
     )
+    ingress_cache: dict[str, Any] | None = Field(
+        None,
+        description="This ingress replica's cache of refs to the ranks' cached features "
+        "(ingress_cache_bytes; null when off): max_bytes, bytes, entries, hits, misses, "
+        "evictions, and lost (entries dropped because their rank had died).",
+    )
     handoff: dict[str, Any] | None = Field(
         None,
         description="Engine hand-off: the pinned protocol versions (sglang, vllm), whether "

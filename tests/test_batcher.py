@@ -399,6 +399,12 @@ def test_a_cache_larger_than_half_its_object_store_is_refused():
     assert "rank 3: feature_cache_bytes=629145600" in message
     assert "(1073741824 bytes)" in message
     assert "--object-store-memory" in message
+    check_cache_fits(0, 256 << 20, 1 << 30, ingress_share=256 << 20)  # 512 MiB: fits
+    with pytest.raises(ValueError, match="more than half") as refused:
+        check_cache_fits(1, 256 << 20, 1 << 30, ingress_share=300 << 20)
+    message = str(refused.value)
+    assert "feature_cache_bytes=268435456 plus ingress_replicas x ingress_cache_bytes=" in message
+    assert "ingress_cache_bytes, or start Ray" in message
 
 
 def test_a_failing_keep_fails_only_its_image(encoder, images):

@@ -92,6 +92,11 @@ def test_cpu_config_fits_two_cores():
             {"rank_options": {"max_ongoing_requests": 1, "max_queued_requests": 0}},
             "max_queued_requests must be -1 .* or at least 1, got 0",
         ),
+        (
+            {"feature_cache_bytes": 0, "ingress_cache_bytes": 1024},
+            r"ingress_cache_bytes=1024 keeps references to the features the ranks' caches "
+            r"hold, but feature_cache_bytes is 0 \(no rank cache\); set feature_cache_bytes > 0",
+        ),
     ],
     ids=[
         "backend",
@@ -106,6 +111,7 @@ def test_cpu_config_fits_two_cores():
         "url-bytes",
         "ongoing",
         "queue",
+        "ingress-cache-without-rank-cache",
     ],
 )
 def test_bad_args_fail_validation(args, fragment):

@@ -8,6 +8,7 @@ relying on a time window.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures as cf
 import time
 
@@ -18,9 +19,18 @@ import requests
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, encode
+from serve_helpers import (
+    app_args,
+    b64,
+    decode_features,
+    encode,
+    rank_calls,
+    replica_actor,
+    replica_actor_name,
+)
 
 from deployments.app import bind_app
+from deployments.handles import IngressCache
 from kimi_encoder.assign import assign_owners
 from kimi_encoder.cost import CostModel
 
@@ -209,6 +219,110 @@ def test_other_backend_misses_the_cache(cache_url):
     hits = sum(a["cache_hits"] - b["cache_hits"] for a, b in zip(after, before, strict=True))
     assert hits == 0
     assert gpu[0]["grid_thw"] == cpu[0]["grid_thw"]
+
+
+KEPT_SIZE = (160, 120)  # every image of the kept-features tests: equal feature bytes
+
+
+@pytest.fixture(scope="module")
+def kept_url(deploy, reference) -> str:
+    """dp 2 whose ingress keeps refs to the ranks' cached features, room for two images'."""
+    item = reference.plan(fresh(70, *KEPT_SIZE))
+    one = reference.vision.num_tokens(item.grid) * reference.vision.text_hidden_size * 4
+    return deploy(2, "kept", feature_cache_bytes=64 << 20, ingress_cache_bytes=2 * one)
+
+
+def test_the_ingress_answers_a_repeated_image_from_the_features_it_kept(kept_url, reference):
+    a, b, c = (fresh(70 + i, *KEPT_SIZE) for i in range(3))
+    first = encode(kept_url, items_of(a, b))
+    assert first.status_code == 200, first.text
+    calls, kept = rank_calls(kept_url), info(kept_url)["ingress_cache"]
+    again = encode(kept_url, items_of(b, a))  # read b, then a: a is the most recent
+    assert again.status_code == 200, again.text
+    assert rank_calls(kept_url) == calls  # no rank was asked
+    assert info(kept_url)["ingress_cache"]["hits"] - kept["hits"] == 2
+    one, two = first.json()["items"]
+    for got, want in zip(again.json()["items"], (two, one), strict=True):
+        assert (got["data"], got["owner_rank"], got["shape"]) == (
+            want["data"],
+            want["owner_rank"],
+            want["shape"],
+        )
+    expected = reference.encode([reference.plan(a)])[0].float().numpy()
+    np.testing.assert_allclose(decode_features(again.json()["items"][1]), expected, atol=1e-5)
+
+    # c is encoded and kept; the bound (two images) drops the least recently read, b.
+    assert encode(kept_url, items_of(c)).status_code == 200
+    state = info(kept_url)["ingress_cache"]
+    assert (state["entries"], state["evictions"] - kept["evictions"]) == (2, 1)
+    assert state["bytes"] <= state["max_bytes"]
+    calls = rank_calls(kept_url)
+    assert encode(kept_url, items_of(a)).json()["items"][0]["data"] == one["data"]
+    assert rank_calls(kept_url) == calls
+    assert encode(kept_url, items_of(b)).json()["items"][0]["data"] == two["data"]
+    assert sum(rank_calls(kept_url)) == sum(calls) + 1  # b went to a rank again
+
+    # Another wire dtype is another entry: a float32 one never answers bfloat16.
+    calls = rank_calls(kept_url)
+    (bf16,) = encode(kept_url, items_of(a), feature_dtype="bfloat16").json()["items"]
+    assert sum(rank_calls(kept_url)) == sum(calls) + 1
+    assert bf16["dtype"] == "bfloat16"
+    np.testing.assert_allclose(decode_features(bf16), expected, rtol=2**-8, atol=1e-6)
+
+
+def actors() -> list[dict]:
+    return list(ray._private.state.actors().values())
+
+
+def test_kept_features_of_a_dead_rank_answer_correctly(kept_url):
+    """A kept ref's features outlive their rank only while the object store still has
+    them (then they are read, unchanged); once gone, the ref is dropped and the image is
+    encoded again in the same request (the next test)."""
+    image = fresh(80, *KEPT_SIZE)
+    (first,) = encode(kept_url, items_of(image)).json()["items"]
+    owner = first["owner_rank"]
+    name = replica_actor_name("kept", owner)
+    before = info(kept_url)["ingress_cache"]
+    ray.kill(replica_actor("kept", owner), no_restart=True)
+    deadline = time.monotonic() + 30
+    while any(a["Name"] == name and a["State"] != "DEAD" for a in actors()):
+        assert time.monotonic() < deadline, f"{name} still alive"
+        time.sleep(0.05)
+    again = encode(kept_url, items_of(image))
+    assert again.status_code == 200, again.text
+    assert again.json()["items"][0]["data"] == first["data"]
+    after = info(kept_url)["ingress_cache"]
+    assert (after["lost"] - before["lost"]) + (after["hits"] - before["hits"]) == 1
+
+
+def test_kept_features_that_cannot_be_read_are_dropped(serve_url):
+    """A kept ref that cannot be read in time, or whose object is lost with the process
+    that was to write it: the entry goes and the lookup finds nothing (its image then goes
+    to a rank); a readable one is read in place."""
+
+    @ray.remote(num_cpus=0)
+    class Writer:
+        def put(self) -> list:
+            return [ray.put(np.arange(8, dtype=np.float32))]
+
+        async def never(self) -> None:
+            await asyncio.Event().wait()
+
+    writer = Writer.remote()
+    (ref,) = ray.get(writer.put.remote())
+    late, lost = writer.never.remote(), writer.never.remote()
+    cache = IngressCache(1 << 20, read_timeout_s=0.2)
+    cache.keep("kept", ref, 32, rank=1)
+    cache.keep("late", late, 32, rank=0)
+    position, (array, rank) = asyncio.run(cache.lookup(["other", "kept", "late"])).popitem()
+    assert (position, rank) == (1, 1)
+    np.testing.assert_array_equal(array, np.arange(8, dtype=np.float32))
+    assert (cache.info()["lost"], cache.info()["entries"]) == (1, 1)  # "late" timed out
+    ray.kill(writer, no_restart=True)
+    cache.keep("lost", lost, 32, rank=0)
+    assert asyncio.run(cache.lookup(["lost"])) == {}  # the writer died: ActorDiedError
+    state = cache.info()
+    assert (state["lost"], state["entries"], state["bytes"]) == (2, 1, 32)
 
 
 def test_load_aware_assignment_with_two_ingress_replicas(two_ingress_url, board):
