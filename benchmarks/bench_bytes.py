@@ -8,8 +8,9 @@ tiny tower and ``text_hidden_size`` 7168, written here with the library. dp 2,
 4 images per request (JSON requests), 4 closed-loop clients, one torch thread
 per rank. Cells:
 
-- cache hits (the same 4 images in every request: no compute) and misses
-  (cache off: the tiny tower runs), each with
+- cache hits (the same 4 images in every request: no compute; the ingress answers
+  them from the features it kept, ``ingress_cache_bytes``) and misses (caches off:
+  the tiny tower runs), each with
 - the wire dtype float32 (the default) or bfloat16 (request field
   ``feature_dtype``), JSON or safetensors answers, 1 or 2 ingress replicas.
 
@@ -19,8 +20,9 @@ and response body sizes, three ceilings: a plain loopback HTTP server (stdlib, o
 process), a trivial Serve deployment returning the body, that deployment
 behind one deployment-handle hop (the inner returns the body as a numpy array),
 and behind two hops at once (each returns half the body, as dp 2 asks two ranks);
-and ours with ``glibc_tunables: ''`` (glibc's malloc defaults, as the ceilings
-run). Hits and misses are two phases, each with only its own apps deployed.
+ours with ``glibc_tunables: ''`` (glibc's malloc defaults, as the ceilings
+run), and ours with the ingress cache off (every hit asks its rank). Hits and
+misses are two phases, each with only its own apps deployed.
 """
 
 from __future__ import annotations
@@ -270,14 +272,20 @@ class Cell:
     fmt: str
     ingress: int
     tuned: bool = True  # False: the app's replicas get glibc_tunables '' (glibc's defaults)
+    kept: bool = True  # hits: False turns the ingress cache off (every hit asks its rank)
 
     @property
     def app(self) -> str:
-        return f"bytes-{self.cache}-{self.ingress}" + ("" if self.tuned else "-untuned")
+        name = f"bytes-{self.cache}-{self.ingress}"
+        return name + ("" if self.tuned else "-untuned") + ("" if self.kept else "-ranks")
 
 
 # Our default glibc_tunables against none, in the cells the ceilings' ratio targets.
 UNTUNED = [Cell("hit", dtype, "safetensors", 1, tuned=False) for dtype in DTYPES]
+# Hits answered by the ingress from the refs it kept against hits that ask their rank.
+RANKS_ONLY = [Cell("hit", dtype, "safetensors", 1, kept=False) for dtype in DTYPES]
+# The ingress cache of the hit cells (and the ranks' feature cache): 256 MiB each.
+CACHE_BYTES = 256 << 20
 
 
 @dataclass
@@ -344,14 +352,17 @@ def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
     """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, and
     the two ceiling apps); the names of the apps."""
     cells = [Cell(cache, "float32", "json", ingress) for ingress in INGRESS]
-    cells += UNTUNED[:1] if cache == "hit" else []  # one app serves every dtype and format
+    # one app serves every dtype and format
+    cells += UNTUNED[:1] + RANKS_ONLY[:1] if cache == "hit" else []
     apps = []
     for cell in cells:
+        hit = cache == "hit"
         args = app_args(
             ckpt,
             s.dp,
             ingress_replicas=cell.ingress,
-            feature_cache_bytes=(256 << 20) if cache == "hit" else 0,
+            feature_cache_bytes=CACHE_BYTES if hit else 0,
+            ingress_cache_bytes=CACHE_BYTES if hit and cell.kept else 0,
             **{**s.app_overrides, **({} if cell.tuned else {"glibc_tunables": ""})},
         )
         apps.append(cluster.deploy(cell.app, _bind(args)))
@@ -366,7 +377,7 @@ def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured, ca
     a hit cell's images are cached); the others go to ``out.unsupported``."""
     setups = {}
     cells = [Cell(cache, *c) for c in itertools.product(DTYPES, FORMATS, INGRESS)]
-    cells += UNTUNED if cache == "hit" else []
+    cells += UNTUNED + RANKS_ONLY if cache == "hit" else []
     for cell in cells:
         dtype, fmt = cell.dtype, cell.fmt
         body = request_body(images, fmt, dtype)
@@ -586,6 +597,8 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             ceiling_ratio_table(m),
             PER_REQUEST,
             per_request_table(m),
+            RANKS,
+            ranks_table(m),
             TUNED,
             tuned_table(m),
             COPIES,
@@ -655,6 +668,39 @@ def per_request_table(m: Measured) -> str:
     return table(header, rows)
 
 
+RANKS = (
+    "Our hits are answered by the ingress from the object-store refs it kept of the "
+    "ranks' answers (`ingress_cache_bytes`, 256 MiB here; off by default): no rank call. "
+    "Ours with it off, every hit asking the rank that holds it, in the same repeats:"
+)
+
+
+def ranks_table(m: Measured) -> str:
+    rows = []
+    for ranks in RANKS_ONLY:
+        kept = dataclasses.replace(ranks, kept=True)
+        hop = (CEILINGS[2], ranks.dtype, ranks.fmt)
+        rows.append(
+            [
+                f"{ranks.dtype} {ranks.fmt}",
+                cell_text(m, kept, "MB"),
+                cell_text(m, ranks, "MB"),
+                ratio_text(m, kept, ranks),
+                ratio_text(m, ranks, hop),
+                spread([request_cpu_ms(w, ranks.app) for w in m.windows[ranks]]).fmt(1),
+            ]
+        )
+    header = [
+        "answer body (hits, 1 ingress)",
+        "ingress cache: MB/s",
+        "rank calls: MB/s",
+        "ingress cache / rank calls",
+        "rank calls / Serve + 1 hop",
+        "rank calls: CPU-ms per request",
+    ]
+    return table(header, rows)
+
+
 TUNED = (
     "Our replicas run with `glibc_tunables` (default "
     "`glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456`: malloc keeps large "
@@ -708,7 +754,7 @@ COPY_ROWS = [
     ],
     [
         "rank → ingress",
-        "0: the ingress reads each array in place",
+        "0: the ingress reads each array in place (a hit it kept: read in place, no call)",
         "`deployments/handles.py` `_read_stored`",
     ],
     [
@@ -730,7 +776,8 @@ def conditions(m: Measured, s: Settings) -> str:
         f"Tiny tower, projector width {s.width}; {s.side}x{s.side} images; dp {s.dp}, one "
         f"torch thread per rank; {s.images_per_request} images per request (JSON request "
         f"of {m.request_bytes / 1e6:.1f} MB), {s.clients} closed-loop clients; hits: the "
-        "same images in every request, misses: cache off. "
+        "same images in every request, answered by the ingress from the features it kept "
+        "(`ingress_cache_bytes` 256 MiB), misses: caches off. "
         "Two phases, each with only its own apps deployed (idle apps cost CPU): hits, with "
         "the ceilings of the next section, then misses. "
         f"{s.repeats} repeats alternating every cell of a phase, {s.window_s:g} s windows; "

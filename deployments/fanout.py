@@ -35,6 +35,10 @@ replica the rank has since replaced does not mark the replacement down. While
 down, a background probe (the rank's cheap ``load`` call) asks again every
 ``cooldown_s``. With no rank up the request is answered at once with
 ``NoRankAvailableError`` (503 with ``Retry-After``), never a hang.
+
+With ``kept`` (``KeptFeatures``: the ingress cache, ``ingress_cache_bytes``), images
+whose features this replica kept a handle to are filled in first, without a rank
+call, and every answer's handles are kept; only the rest are assigned and sent.
 """
 
 from __future__ import annotations

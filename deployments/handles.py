@@ -24,7 +24,8 @@ digest (``EncoderItem.by_digest``), and the ones the rank answers missing are
 sent again with their bytes by the same ``RankCall``. Features a rank keeps in
 the object store come back as refs and are read in place before the answer is
 handed to the fan-out (``_read_stored``); a ref whose owner died is the rank's
-failure (``ObjectLostError``: unavailable, re-dispatched).
+failure (``ObjectLostError``: unavailable, re-dispatched). The refs stay in the answer
+for ``IngressCache``, which keeps them so that a repeated image needs no rank call.
 """
 
 from __future__ import annotations
