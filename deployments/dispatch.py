@@ -158,11 +158,15 @@ class Dispatcher:
         return [item_key(item, self.model_name, f"{self.dtype}->{feature_dtype}") for item in items]
 
     def plan(
-        self, items: Sequence[EncoderItem], feature_dtype: str, exclude: Collection[int] = ()
+        self,
+        items: Sequence[EncoderItem],
+        feature_dtype: str,
+        exclude: Collection[int] = (),
+        keys: Sequence[str] | None = None,
     ) -> Plan:
         """Owners of ``items`` (their features wanted in ``feature_dtype``); ranks in
-        ``exclude`` (down) get none."""
-        keys = self.keys(items, feature_dtype)
+        ``exclude`` (down) get none. ``keys``: the items' ``keys``, if already computed."""
+        keys = list(keys) if keys is not None else self.keys(items, feature_dtype)
         seen: dict[str, int] = {}
         first = [seen.setdefault(key, i) for i, key in enumerate(keys)]
         unique = sorted(seen.values())

@@ -417,7 +417,8 @@ class FanOut:
         """One call per owner rank for ``pending`` (duplicates once), to ranks not down."""
         subset = [items[i] for i in pending]
         dtype = gathered.dtype
-        plan = self.dispatcher.plan(subset, dtype, exclude=self.health.excluded())
+        keys = [gathered.keys[i] for i in pending] if gathered.keys is not None else None
+        plan = self.dispatcher.plan(subset, dtype, exclude=self.health.excluded(), keys=keys)
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
         now = time.monotonic()
         flights = []
