@@ -676,29 +676,25 @@ RANKS = (
 
 
 def ranks_table(m: Measured) -> str:
+    header = ["ingress cache: MB/s", "rank calls: MB/s", "ingress cache / rank calls"]
+    header += ["rank calls / Serve + 1 hop", "rank calls: CPU-ms per request"]
+    return against_default(m, RANKS_ONLY, header, cpu_ms=True)
+
+
+def against_default(m: Measured, cells: list[Cell], header: list[str], cpu_ms=False) -> str:
+    """Each of ``cells`` (ours with one setting off) next to the same cell with every
+    setting at the benchmark's default: MB/s of both, their ratio, the cell against
+    Serve + 1 hop and, with ``cpu_ms``, the cell's CPU-ms per request."""
     rows = []
-    for ranks in RANKS_ONLY:
-        kept = dataclasses.replace(ranks, kept=True)
-        hop = (CEILINGS[2], ranks.dtype, ranks.fmt)
-        rows.append(
-            [
-                f"{ranks.dtype} {ranks.fmt}",
-                cell_text(m, kept, "MB"),
-                cell_text(m, ranks, "MB"),
-                ratio_text(m, kept, ranks),
-                ratio_text(m, ranks, hop),
-                spread([request_cpu_ms(w, ranks.app) for w in m.windows[ranks]]).fmt(1),
-            ]
-        )
-    header = [
-        "answer body (hits, 1 ingress)",
-        "ingress cache: MB/s",
-        "rank calls: MB/s",
-        "ingress cache / rank calls",
-        "rank calls / Serve + 1 hop",
-        "rank calls: CPU-ms per request",
-    ]
-    return table(header, rows)
+    for cell in cells:
+        default = Cell(cell.cache, cell.dtype, cell.fmt, cell.ingress)
+        hop = (CEILINGS[2], cell.dtype, cell.fmt)
+        row = [f"{cell.dtype} {cell.fmt}", cell_text(m, default, "MB"), cell_text(m, cell, "MB")]
+        row += [ratio_text(m, default, cell), ratio_text(m, cell, hop)]
+        if cpu_ms:
+            row.append(spread([request_cpu_ms(w, cell.app) for w in m.windows[cell]]).fmt(1))
+        rows.append(row)
+    return table(["answer body (hits, 1 ingress)", *header], rows)
 
 
 TUNED = (
@@ -712,27 +708,8 @@ TUNED = (
 
 
 def tuned_table(m: Measured) -> str:
-    rows = []
-    for untuned in UNTUNED:
-        tuned = dataclasses.replace(untuned, tuned=True)
-        hop = (CEILINGS[2], untuned.dtype, untuned.fmt)
-        rows.append(
-            [
-                f"{untuned.dtype} {untuned.fmt}",
-                cell_text(m, tuned, "MB"),
-                cell_text(m, untuned, "MB"),
-                ratio_text(m, tuned, untuned),
-                ratio_text(m, untuned, hop),
-            ]
-        )
-    header = [
-        "answer body (hits, 1 ingress)",
-        "default tunables: MB/s",
-        "none: MB/s",
-        "default / none",
-        "none / Serve + 1 hop",
-    ]
-    return table(header, rows)
+    header = ["default tunables: MB/s", "none: MB/s", "default / none", "none / Serve + 1 hop"]
+    return against_default(m, UNTUNED, header)
 
 
 COPIES = (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from typing import ClassVar
@@ -357,6 +358,36 @@ def test_cpu_per_request_counts_only_where_a_request_passes():
     assert "| ours (hits, 1 ingress) | 80.0 (80.0–80.0) | 60.0 (60.0–60.0) |" in text
     for path in bench_bytes.CEILING_APPS:
         assert f"| {path} | 50.0 (50.0–50.0) | 30.0 (30.0–30.0) |" in text
+
+
+def test_settings_off_are_compared_with_the_default_cell_of_the_same_repeats():
+    """Ours at 20 requests/s with every setting on its default, 10 with the ingress cache
+    off (80 CPU-ms per request), 16 without glibc tunables; Serve + 1 hop at 12.5."""
+    m = bench_bytes.Measured()
+    rates = {"default": 20.0, "ranks": 10.0, "untuned": 16.0, "hop": 12.5}
+    for dtype in bench_bytes.DTYPES:
+        base = bench_bytes.Cell("hit", dtype, "safetensors", 1)
+        cells = {
+            "default": base,
+            "ranks": dataclasses.replace(base, kept=False),
+            "untuned": dataclasses.replace(base, tuned=False),
+            "hop": (bench_bytes.CEILINGS[2], dtype, "safetensors"),
+        }
+        for name, key in cells.items():
+            app = key.app if isinstance(key, bench_bytes.Cell) else "hop"
+            spent = {"EncodeServer": 80.0} if name == "ranks" else {"Outer": 50.0}
+            m.windows[key] = [
+                dataclasses.replace(
+                    per_request(app, rates[name], spent), bytes_per_s=rates[name] * 10e6
+                )
+            ]
+    ranks = bench_bytes.ranks_table(m)
+    for dtype in bench_bytes.DTYPES:
+        row = f"| {dtype} safetensors | 200 (200–200) | 100 (100–100) | 2.00x (2.00–2.00) |"
+        assert row + " 0.80x (0.80–0.80) | 80.0 (80.0–80.0) |" in ranks
+    tuned = bench_bytes.tuned_table(m)
+    assert "| 200 (200–200) | 160 (160–160) | 1.25x (1.25–1.25) | 1.28x (1.28–1.28) |" in tuned
+    assert "CPU-ms" not in tuned
 
 
 def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
