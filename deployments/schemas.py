@@ -285,7 +285,8 @@ class InfoResponse(BaseModel):
         None,
         description="This ingress replica's cache of refs to the ranks' cached features "
         "(ingress_cache_bytes; null when off): max_bytes, bytes, entries, hits, misses, "
-        "evictions, and lost (entries dropped because their rank had died).",
+        "evictions, and lost (entries dropped because their features could not be read: "
+        "their rank died and the object store dropped them, or the read timed out).",
     )
     handoff: dict[str, Any] | None = Field(
         None,
