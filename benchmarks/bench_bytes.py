@@ -352,11 +352,10 @@ def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
     """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, and
     the two ceiling apps); the names of the apps."""
     cells = [Cell(cache, "float32", "json", ingress) for ingress in INGRESS]
-    # one app serves every dtype and format
-    cells += UNTUNED[:1] + RANKS_ONLY[:1] if cache == "hit" else []
+    hit = cache == "hit"
+    cells += UNTUNED[:1] + RANKS_ONLY[:1] if hit else []  # one app serves every dtype, format
     apps = []
     for cell in cells:
-        hit = cache == "hit"
         args = app_args(
             ckpt,
             s.dp,
@@ -366,7 +365,7 @@ def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
             **{**s.app_overrides, **({} if cell.tuned else {"glibc_tunables": ""})},
         )
         apps.append(cluster.deploy(cell.app, _bind(args)))
-    if cache == "hit":
+    if hit:
         echo, hop = ceiling_apps()
         apps += [cluster.deploy("echo", echo), cluster.deploy("hop", hop)]
     return [app.strip("/") for app in apps]

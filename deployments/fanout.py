@@ -180,7 +180,6 @@ class Gathered:
     answers: dict[int, RankAnswer] = field(default_factory=dict)
     redispatched: int = 0
     keys: list[str] | None = None  # every item's cache key, with kept features on
-    kept: int = 0  # items answered from features the ingress kept (no rank call)
 
 
 @dataclass
@@ -368,7 +367,7 @@ class FanOut:
         n = len(items)
         gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
         await self._fill_kept(items, gathered)
-        if gathered.kept < n:
+        if any(f is None for f in gathered.features):
             await self.dispatcher.refresh(self.ranks, skip=self.health.down())
         flights: list[_Flight] = []
         try:
@@ -402,7 +401,6 @@ class FanOut:
         gathered.keys = self.dispatcher.keys(items, gathered.dtype)
         for i, (array, rank) in (await self.kept.lookup(gathered.keys)).items():
             gathered.features[i], gathered.owners[i] = array, rank
-            gathered.kept += 1
 
     def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> list[int]:
         """Request indices without features that no call is working on: no call on time,
