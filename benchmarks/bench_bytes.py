@@ -349,8 +349,8 @@ def measure(s: Settings, root: Path) -> Measured:
 
 
 def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
-    """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, and
-    the two ceiling apps); the names of the apps."""
+    """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, with
+    the ingress cache off, and the two ceiling apps); the names of the apps."""
     cells = [Cell(cache, "float32", "json", ingress) for ingress in INGRESS]
     hit = cache == "hit"
     cells += UNTUNED[:1] + RANKS_ONLY[:1] if hit else []  # one app serves every dtype, format
