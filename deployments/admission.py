@@ -38,6 +38,7 @@ from kimi_encoder.items import (
     unsupported_backend,
 )
 
+from . import request_json
 from .args import AppArgs, BodyPace
 from .schemas import EncodeRequest, ImageItem, ResponseFormat, VllmEcOutput
 
@@ -397,7 +398,11 @@ async def read_body(
 def parse_json(body: bytes) -> Any:
     """The JSON document of ``body``; refuses invalid JSON and duplicate keys (422)."""
     try:
-        return json.loads(body, object_pairs_hook=_no_duplicates)
+        return request_json.loads(body)
+    except request_json.DuplicateKeyError as exc:
+        raise MalformedBodyError(
+            f"JSON object has the key {exc.key!r} more than once; send each key once."
+        ) from None
     except json.JSONDecodeError as exc:
         raise MalformedBodyError(
             f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
@@ -405,17 +410,6 @@ def parse_json(body: bytes) -> Any:
         ) from None
     except UnicodeDecodeError:
         raise MalformedBodyError("body is not UTF-8 JSON; send an EncodeRequest object.") from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise MalformedBodyError(
-                f"JSON object has the key {key!r} more than once; send each key once."
-            )
-        out[key] = value
-    return out
 
 
 def _multipart_error(detail: str, max_images: int) -> EncoderInputError:
