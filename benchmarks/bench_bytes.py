@@ -22,7 +22,10 @@ behind one deployment-handle hop (the inner returns the body as a numpy array),
 and behind two hops at once (each returns half the body, as dp 2 asks two ranks);
 ours with ``glibc_tunables: ''`` (glibc's malloc defaults, as the ceilings
 run), and ours with the ingress cache off (every hit asks its rank). Hits and
-misses are two phases, each with only its own apps deployed.
+misses are two phases, each with only its own apps deployed. A third phase runs
+the hit cells of one ingress replica and the Serve ceilings again in a cluster
+behind Serve's HAProxy ingress (``RAY_SERVE_ENABLE_HA_PROXY=1``, README "High-throughput
+ingress"), where answers reach the socket with no Python proxy.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import bench_serve, cpu
+from . import bench_ingress, bench_serve, cpu
 from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
 from .serving import (
     Cluster,
@@ -273,6 +276,7 @@ class Cell:
     ingress: int
     tuned: bool = True  # False: the app's replicas get glibc_tunables '' (glibc's defaults)
     kept: bool = True  # hits: False turns the ingress cache off (every hit asks its rank)
+    haproxy: bool = False  # in the cluster behind HAProxy (the third phase)
 
     @property
     def app(self) -> str:
@@ -286,6 +290,11 @@ UNTUNED = [Cell("hit", dtype, "safetensors", 1, tuned=False) for dtype in DTYPES
 RANKS_ONLY = [Cell("hit", dtype, "safetensors", 1, kept=False) for dtype in DTYPES]
 # The ingress cache of the hit cells (and the ranks' feature cache): 256 MiB each.
 CACHE_BYTES = 256 << 20
+# The hit cells of one ingress replica, behind HAProxy.
+BEHIND_HAPROXY = [
+    Cell("hit", dtype, fmt, 1, haproxy=True) for dtype, fmt in itertools.product(DTYPES, FORMATS)
+]
+HAPROXY = "HAProxy"  # the first element of the HAProxy phase's ceiling keys
 
 
 @dataclass
@@ -329,9 +338,9 @@ def _b64_len(n: int) -> int:
 
 
 def measure(s: Settings, root: Path) -> Measured:
-    """Two phases, each with only its apps deployed: cache hits (ours and the ceilings,
-    which are compared with them), then misses; in each, every cell alternated over
-    ``s.repeats`` repeats."""
+    """Three phases, each with only its apps deployed: cache hits (ours and the ceilings,
+    which are compared with them), then misses, then hits and the Serve ceilings in a
+    cluster behind HAProxy; in each, every cell alternated over ``s.repeats`` repeats."""
     ckpt = str(checkpoint(root, s.width))
     images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
     out = Measured()
@@ -339,13 +348,38 @@ def measure(s: Settings, root: Path) -> Measured:
         client = Http(cluster.port)
         for cache in CACHE:
             apps = deploy(cluster, ckpt, s, cache)
-            setups = our_setups(client, images, s, out, cache)
+            setups = our_setups(client, images, s, out, cells_of(cache))
             if cache == "hit":
                 setups |= ceiling_setups(client, Http(plain.port), images, s, out)
             out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
             for app in apps:
                 cluster.delete(app)
+    haproxy = bench_ingress.INGRESSES[HAPROXY]
+    with bench_ingress.Server(haproxy, deploy_behind_haproxy, (ckpt, s), logical_cpus=16) as ha:
+        setups = our_setups(ha.client, images, s, out, BEHIND_HAPROXY)
+        setups |= haproxy_ceiling_setups(ha.client, images, s, out)
+        out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
     return out
+
+
+def deploy_behind_haproxy(cluster: Cluster, ckpt: str, s: Settings) -> list[str]:
+    """The HAProxy phase's apps: ours for hits with one ingress replica, and the Serve
+    ceilings (run in that cluster's process; ``bench_ingress.Server``)."""
+    cell = BEHIND_HAPROXY[0]
+    args = app_args(
+        ckpt,
+        s.dp,
+        ingress_replicas=cell.ingress,
+        feature_cache_bytes=CACHE_BYTES,
+        ingress_cache_bytes=CACHE_BYTES,
+        **s.app_overrides,
+    )
+    echo, hop = ceiling_apps()
+    return [
+        cluster.deploy(cell.app, _bind(args)),
+        cluster.deploy("echo", echo),
+        cluster.deploy("hop", hop),
+    ]
 
 
 def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
@@ -371,12 +405,18 @@ def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
     return [app.strip("/") for app in apps]
 
 
-def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured, cache: str) -> dict:
-    """A closed loop per ``cache`` cell the server supports (probed first: twice, so that
-    a hit cell's images are cached); the others go to ``out.unsupported``."""
-    setups = {}
+def cells_of(cache: str) -> list[Cell]:
+    """The cells of the hits or the misses phase (behind Serve's proxy)."""
     cells = [Cell(cache, *c) for c in itertools.product(DTYPES, FORMATS, INGRESS)]
-    cells += UNTUNED + RANKS_ONLY if cache == "hit" else []
+    return cells + (UNTUNED + RANKS_ONLY if cache == "hit" else [])
+
+
+def our_setups(
+    client: Http, images: list[bytes], s: Settings, out: Measured, cells: list[Cell]
+) -> dict:
+    """A closed loop per cell the server supports (probed first: twice, so that a hit
+    cell's images are cached); the others go to ``out.unsupported``."""
+    setups = {}
     for cell in cells:
         dtype, fmt = cell.dtype, cell.fmt
         body = request_body(images, fmt, dtype)
@@ -384,7 +424,8 @@ def our_setups(client: Http, images: list[bytes], s: Settings, out: Measured, ca
         path = f"/{cell.app}/v1/encode"
         try:
             probe(client, path, body, fmt, dtype, len(images))
-            out.body_bytes[(dtype, fmt)] = probe(client, path, body, fmt, dtype, len(images))
+            size = probe(client, path, body, fmt, dtype, len(images))
+            out.body_bytes.setdefault((dtype, fmt), size)  # HAProxy's ceilings: the same sizes
         except NotSupported as exc:
             out.unsupported[cell] = str(exc)
             continue
@@ -412,11 +453,29 @@ def ceiling_setups(
         body = request_body(images, fmt, dtype)
         for name, c, path in (
             (CEILINGS[0], plain, f"/{size}"),
-            (CEILINGS[1], client, f"/echo?n={size}"),
-            (CEILINGS[2], client, f"/hop?n={size}"),
-            (CEILINGS[3], client, f"/hop?n={size}&hops=2"),
+            *((name, client, path) for name, path in serve_ceilings(size)),
         ):
             setups[(name, dtype, fmt)] = _loop(sender(c, path, body, len(images)), s)
+    return setups
+
+
+def serve_ceilings(size: int) -> list[tuple[str, str]]:
+    """(name, path) of each Serve ceiling answering ``size`` bytes."""
+    return [
+        (CEILINGS[1], f"/echo?n={size}"),
+        (CEILINGS[2], f"/hop?n={size}"),
+        (CEILINGS[3], f"/hop?n={size}&hops=2"),
+    ]
+
+
+def haproxy_ceiling_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
+    """The Serve ceilings behind HAProxy, keyed (``HAPROXY``, name, dtype, fmt), with the
+    answer sizes of the first phase."""
+    setups = {}
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        body = request_body(images, fmt, dtype)
+        for name, path in serve_ceilings(out.body_bytes[(dtype, fmt)]):
+            setups[(HAPROXY, name, dtype, fmt)] = _loop(sender(client, path, body, len(images)), s)
     return setups
 
 
@@ -456,7 +515,7 @@ def sections(quick: bool, s: Settings | None = None) -> list[Section]:
     s = s or Settings.of(quick)
     with tempfile.TemporaryDirectory() as tmp:
         m = measure(s, Path(tmp))
-    return [throughput_section(m, s), ceilings_section(m, s)]
+    return [throughput_section(m, s), ceilings_section(m, s), haproxy_section(m, s)]
 
 
 def throughput_section(m: Measured, s: Settings) -> Section:
@@ -604,6 +663,79 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             table(["where", "full-size copies of the features", "code"], COPY_ROWS),
         ],
     )
+
+
+def haproxy_section(m: Measured, s: Settings) -> Section:
+    hops = CEILINGS[2:]
+    rows = []
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        ours = Cell("hit", dtype, fmt, 1, haproxy=True)
+        rows.append(
+            [
+                f"{dtype} {fmt}",
+                size_text(m, dtype, fmt),
+                cell_text(m, ours, "MB"),
+                cell_text(m, ours, "images"),
+                *(m.mb_per_s((HAPROXY, c, dtype, fmt)).fmt(0) for c in CEILINGS[1:]),
+                *(ratio_text(m, ours, (HAPROXY, hop, dtype, fmt)) for hop in hops),
+            ]
+        )
+    header = [
+        "answer body",
+        "MB",
+        "ours: MB/s",
+        "images/s",
+        *(f"{c}: MB/s" for c in CEILINGS[1:]),
+        *(f"ours / {hop}" for hop in hops),
+    ]
+    ratios = [
+        [
+            label,
+            ratio_text(m, Cell("hit", *a, 1, haproxy=True), Cell("hit", *b, 1, haproxy=True)),
+            *(ratio_text(m, (HAPROXY, c, *a), (HAPROXY, c, *b)) for c in CEILINGS[1:]),
+        ]
+        for label, a, b in RATIOS
+    ]
+    return Section(
+        "Feature bytes behind HAProxy",
+        COMMAND,
+        [
+            "The hit cells of one ingress replica and the three Serve ceilings again, in a "
+            "cluster of their own started with `RAY_SERVE_ENABLE_HA_PROXY=1` (README, "
+            '"High-throughput ingress"): HAProxy forwards each request to an HTTP server '
+            "inside the replica, which writes its answer to the socket; no Python proxy, no "
+            "pickled answer. Same settings, request bodies and answer sizes as the two "
+            f"sections above; a phase of its own after them, {s.repeats} repeats "
+            "alternating its cells. The plain HTTP server has no Serve ingress: its figures "
+            "are in the section above.",
+            table(header, rows),
+            "The issue's ratios of images/s behind HAProxy, ours next to the ceilings':",
+            table(["ratio", OURS, *CEILINGS[1:]], ratios),
+            "Cores busy by process in ours' safetensors cells (CPU seconds / wall seconds, "
+            "median of the repeats):",
+            haproxy_cpu_table(m, s),
+        ],
+    )
+
+
+def haproxy_cpu_table(m: Measured, s: Settings) -> str:
+    cells = [c for c in BEHIND_HAPROXY if c.fmt == "safetensors" and c not in m.unsupported]
+    names = [bench_serve.INGRESS, *(f"rank {r}" for r in range(s.dp)), cpu.HAPROXY, cpu.CLIENT]
+    rows = [
+        [name, *(bench_serve.cores(m.windows[c], c.app, name).fmt(2) for c in cells)]
+        for name in names
+    ]
+    rows += [
+        [
+            "machine busy",
+            *(
+                spread([w.usage.cores(w.usage.machine_busy_s) for w in m.windows[c]]).fmt(2)
+                for c in cells
+            ),
+        ],
+        ["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)],
+    ]
+    return table(["cores busy", *(f"{c.dtype}, {c.fmt}" for c in cells)], rows)
 
 
 CEILING_RATIOS = (
@@ -754,8 +886,9 @@ def conditions(m: Measured, s: Settings) -> str:
         f"of {m.request_bytes / 1e6:.1f} MB), {s.clients} closed-loop clients; hits: the "
         "same images in every request, answered by the ingress from the features it kept "
         "(`ingress_cache_bytes` 256 MiB), misses: caches off. "
-        "Two phases, each with only its own apps deployed (idle apps cost CPU): hits, with "
-        "the ceilings of the next section, then misses. "
+        "Three phases, each with only its own apps deployed (idle apps cost CPU): hits, "
+        "with the ceilings of the next section, then misses, then hits behind HAProxy "
+        "(its own section). "
         f"{s.repeats} repeats alternating every cell of a phase, {s.window_s:g} s windows; "
         "median (min–max); a ratio is the median of the per-repeat ratios."
     )

@@ -28,6 +28,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import zmq
@@ -41,34 +42,43 @@ INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for eac
 START_TIMEOUT_S = 600
 
 
-def _serve(haproxy: str, checkpoint: str, conn) -> None:
-    """A cluster of its own serving ``bench_handoff``'s app; sends its URL, then waits
-    for any message and shuts down."""
+def _serve(haproxy: str, logical_cpus: int, deploy: Callable, args: tuple, conn) -> None:
+    """A cluster of its own running ``deploy(cluster, *args)``; sends its port and what
+    ``deploy`` returned, then waits for any message and shuts down."""
     os.environ[HAPROXY_ENV] = haproxy  # before Ray and Serve are imported and started
-    from ray import serve
-
     from .serving import Cluster
 
-    with Cluster(logical_cpus=4) as cluster:
-        conn.send((cluster.port, bench_handoff.deploy(serve, Path(checkpoint))))
+    with Cluster(logical_cpus=logical_cpus) as cluster:
+        conn.send((cluster.port, deploy(cluster, *args)))
         conn.recv()
 
 
-class Server:
-    """``_serve`` in a spawned process (a context manager); once it serves, ``client``
-    posts to its port and ``prefix`` is the app's route prefix."""
+def deploy_handoff(cluster, checkpoint: str) -> str:
+    """``bench_handoff``'s app; its route prefix."""
+    from ray import serve
 
-    def __init__(self, haproxy: str, checkpoint: Path):
+    return bench_handoff.deploy(serve, Path(checkpoint))
+
+
+class Server:
+    """``_serve`` in a spawned process (a context manager): a cluster behind the ingress
+    ``haproxy`` names (``INGRESSES``' values) running ``deploy(cluster, *args)``, a
+    module-level function; once it serves, ``client`` posts to its port and ``deployed``
+    is what ``deploy`` returned."""
+
+    def __init__(self, haproxy: str, deploy: Callable, args: tuple, logical_cpus: int = 4):
         context = mp.get_context("spawn")
         self._conn, child = context.Pipe()
-        self.proc = context.Process(target=_serve, args=(haproxy, str(checkpoint), child))
+        self.proc = context.Process(
+            target=_serve, args=(haproxy, logical_cpus, deploy, args, child)
+        )
 
     def __enter__(self) -> Server:
         self.proc.start()
         if not self._conn.poll(START_TIMEOUT_S):
             self.proc.kill()
             raise RuntimeError(f"the app did not start within {START_TIMEOUT_S} s")
-        port, self.prefix = self._conn.recv()
+        port, self.deployed = self._conn.recv()
         self.client = Http(port)
         return self
 
@@ -90,19 +100,19 @@ def sections(quick: bool) -> list[Section]:
         with tempfile.TemporaryDirectory() as tmp:
             checkpoint = bench_handoff.write_wide_checkpoint(Path(tmp) / "wide")
             with (
-                Server(INGRESSES["Serve proxy"], checkpoint) as proxy,
-                Server(INGRESSES["HAProxy"], checkpoint) as haproxy,
+                Server(INGRESSES["Serve proxy"], deploy_handoff, (str(checkpoint),)) as proxy,
+                Server(INGRESSES["HAProxy"], deploy_handoff, (str(checkpoint),)) as haproxy,
             ):
                 servers = {"Serve proxy": proxy, "HAProxy": haproxy}
                 for server in servers.values():
-                    bench_handoff.warm_up(server.client, server.prefix, sink, parts)
+                    bench_handoff.warm_up(server.client, server.deployed, sink, parts)
                 setups = {}
                 for name, server in servers.items():
                     setups[("/v1/encode safetensors", name)] = lambda s=server: (
-                        bench_handoff.http_body(s.client, s.prefix, parts, window)
+                        bench_handoff.http_body(s.client, s.deployed, parts, window)
                     )
                     setups[("hand-off parts", name)] = lambda s=server: bench_handoff.handoff(
-                        s.client, f"{s.prefix}/encode", sink, parts, window
+                        s.client, f"{s.deployed}/encode", sink, parts, window
                     )
                 measured = alternate(setups, repeats, rerun_if=server_failed)
     finally:

