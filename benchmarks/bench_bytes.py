@@ -347,49 +347,28 @@ def measure(s: Settings, root: Path) -> Measured:
     with Cluster() as cluster, PlainServer() as plain:
         client = Http(cluster.port)
         for cache in CACHE:
-            apps = deploy(cluster, ckpt, s, cache)
-            setups = our_setups(client, images, s, out, cells_of(cache))
+            cells = cells_of(cache)
+            apps = deploy(cluster, ckpt, s, cells)
+            setups = our_setups(client, images, s, out, cells)
             if cache == "hit":
                 setups |= ceiling_setups(client, Http(plain.port), images, s, out)
             out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
             for app in apps:
                 cluster.delete(app)
     haproxy = bench_ingress.INGRESSES[HAPROXY]
-    with bench_ingress.Server(haproxy, deploy_behind_haproxy, (ckpt, s), logical_cpus=16) as ha:
+    with bench_ingress.Server(haproxy, deploy, (ckpt, s, BEHIND_HAPROXY), logical_cpus=16) as ha:
         setups = our_setups(ha.client, images, s, out, BEHIND_HAPROXY)
         setups |= haproxy_ceiling_setups(ha.client, images, s, out)
         out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
     return out
 
 
-def deploy_behind_haproxy(cluster: Cluster, ckpt: str, s: Settings) -> list[str]:
-    """The HAProxy phase's apps: ours for hits with one ingress replica, and the Serve
-    ceilings (run in that cluster's process; ``bench_ingress.Server``)."""
-    cell = BEHIND_HAPROXY[0]
-    args = app_args(
-        ckpt,
-        s.dp,
-        ingress_replicas=cell.ingress,
-        feature_cache_bytes=CACHE_BYTES,
-        ingress_cache_bytes=CACHE_BYTES,
-        **s.app_overrides,
-    )
-    echo, hop = ceiling_apps()
-    return [
-        cluster.deploy(cell.app, _bind(args)),
-        cluster.deploy("echo", echo),
-        cluster.deploy("hop", hop),
-    ]
-
-
-def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
-    """Our app for ``cache`` and each ingress count (hits: also with no glibc_tunables, with
-    the ingress cache off, and the two ceiling apps); the names of the apps."""
-    cells = [Cell(cache, "float32", "json", ingress) for ingress in INGRESS]
-    hit = cache == "hit"
-    cells += UNTUNED[:1] + RANKS_ONLY[:1] if hit else []  # one app serves every dtype, format
+def deploy(cluster: Cluster, ckpt: str, s: Settings, cells: list[Cell]) -> list[str]:
+    """One app per app name among ``cells`` (an app serves every dtype and format), and
+    the ceiling apps when the cells are hits; the names of the apps."""
     apps = []
-    for cell in cells:
+    for cell in {c.app: c for c in cells}.values():
+        hit = cell.cache == "hit"
         args = app_args(
             ckpt,
             s.dp,
@@ -399,7 +378,7 @@ def deploy(cluster: Cluster, ckpt: str, s: Settings, cache: str) -> list[str]:
             **{**s.app_overrides, **({} if cell.tuned else {"glibc_tunables": ""})},
         )
         apps.append(cluster.deploy(cell.app, _bind(args)))
-    if hit:
+    if any(c.cache == "hit" for c in cells):
         echo, hop = ceiling_apps()
         apps += [cluster.deploy("echo", echo), cluster.deploy("hop", hop)]
     return [app.strip("/") for app in apps]
@@ -587,9 +566,15 @@ CPU_NOTE = (
 def cpu_table(m: Measured, s: Settings) -> str:
     """Cores busy by process (``bench_serve.labeller``) in the safetensors hit cells."""
     cells = [Cell("hit", dtype, "safetensors", ingress) for dtype in DTYPES for ingress in INGRESS]
-    cells = [c for c in cells if c not in m.unsupported]
     ranks = [f"rank {r}" for r in range(s.dp)]
     names = [bench_serve.INGRESS, *ranks, *bench_serve.AROUND[1:]]
+    return cores_table(m, cells, names, lambda c: f"{c.dtype}, {c.ingress} ingress")
+
+
+def cores_table(m: Measured, cells: list[Cell], names: list[str], label) -> str:
+    """Cores busy by each of ``names`` in each supported cell (columns ``label(cell)``),
+    all of ours, the machine, and the images/s."""
+    cells = [c for c in cells if c not in m.unsupported]
     rows = [
         [name, *(bench_serve.cores(m.windows[c], c.app, name).fmt(2) for c in cells)]
         for name in names
@@ -603,8 +588,7 @@ def cpu_table(m: Measured, s: Settings) -> str:
         row("machine busy", lambda w: w.usage.cores(w.usage.machine_busy_s)),
         ["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)],
     ]
-    header = ["cores busy", *(f"{c.dtype}, {c.ingress} ingress" for c in cells)]
-    return table(header, rows)
+    return table(["cores busy", *(label(c) for c in cells)], rows)
 
 
 def ceilings_section(m: Measured, s: Settings) -> Section:
@@ -719,23 +703,9 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
 
 
 def haproxy_cpu_table(m: Measured, s: Settings) -> str:
-    cells = [c for c in BEHIND_HAPROXY if c.fmt == "safetensors" and c not in m.unsupported]
+    cells = [c for c in BEHIND_HAPROXY if c.fmt == "safetensors"]
     names = [bench_serve.INGRESS, *(f"rank {r}" for r in range(s.dp)), cpu.HAPROXY, cpu.CLIENT]
-    rows = [
-        [name, *(bench_serve.cores(m.windows[c], c.app, name).fmt(2) for c in cells)]
-        for name in names
-    ]
-    rows += [
-        [
-            "machine busy",
-            *(
-                spread([w.usage.cores(w.usage.machine_busy_s) for w in m.windows[c]]).fmt(2)
-                for c in cells
-            ),
-        ],
-        ["images/s", *(spread(m.rates(c)).fmt(1) for c in cells)],
-    ]
-    return table(["cores busy", *(f"{c.dtype}, {c.fmt}" for c in cells)], rows)
+    return cores_table(m, cells, names, lambda c: f"{c.dtype}, {c.fmt}")
 
 
 CEILING_RATIOS = (

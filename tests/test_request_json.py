@@ -35,26 +35,25 @@ def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def reference(body: bytes) -> tuple[str, Any]:
+def answer(parse, repeated: type[Exception], body: bytes) -> tuple[str, Any]:
+    """What ``parse(body)`` does: a document, a refused repeated key (``repeated``), an
+    invalid body (message and place) or undecodable bytes."""
     try:
-        return "document", json.loads(body, object_pairs_hook=_refuse_repeats)
-    except Repeated as exc:
+        return "document", parse(body)
+    except repeated as exc:
         return "repeated", exc.key
     except json.JSONDecodeError as exc:
         return "invalid", (exc.msg, exc.lineno, exc.colno)
     except UnicodeDecodeError as exc:
         return "undecodable", str(exc)
+
+
+def reference(body: bytes) -> tuple[str, Any]:
+    return answer(lambda b: json.loads(b, object_pairs_hook=_refuse_repeats), Repeated, body)
 
 
 def ours(body: bytes) -> tuple[str, Any]:
-    try:
-        return "document", loads(body)
-    except DuplicateKeyError as exc:
-        return "repeated", exc.key
-    except json.JSONDecodeError as exc:
-        return "invalid", (exc.msg, exc.lineno, exc.colno)
-    except UnicodeDecodeError as exc:
-        return "undecodable", str(exc)
+    return answer(loads, DuplicateKeyError, body)
 
 
 def same(a: Any, b: Any) -> bool:
