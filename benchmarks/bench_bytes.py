@@ -637,7 +637,7 @@ def ceilings_section(m: Measured, s: Settings) -> Section:
             table(header, rows),
             CEILING_RATIOS,
             ceiling_ratio_table(m),
-            PER_REQUEST,
+            PER_REQUEST.format(proxy="Serve's proxy"),
             per_request_table(m),
             RANKS,
             ranks_table(m),
@@ -698,6 +698,8 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
             "Cores busy by process in ours' safetensors cells (CPU seconds / wall seconds, "
             "median of the repeats):",
             haproxy_cpu_table(m, s),
+            PER_REQUEST.format(proxy="HAProxy"),
+            per_request_table(m, haproxy=True),
         ],
     )
 
@@ -729,11 +731,14 @@ def ceiling_ratio_table(m: Measured) -> str:
 
 PER_REQUEST = (
     "CPU per request in the same safetensors cells, where a request passes: the app's "
-    "replicas, Serve's proxy and Ray's system processes (not the client, the controller or "
+    "replicas, {proxy} and Ray's system processes (not the client, the controller or "
     "other apps' idle replicas). A bfloat16 answer carries half the float32 payload; what "
     "a path spends on a bfloat16 request beyond half its float32 figure does not shrink "
     "with the payload, and the more of that a path has, the further its bf16 / f32 "
-    "images/s falls below 2x."
+    "images/s falls below 2x. The last two columns split each path's CPU into that part "
+    "(the line through its two medians, at zero bytes) and what each MB of answer adds. "
+    "Were that CPU the only limit, bf16 / f32 images/s would be the float32 figure over "
+    "the bfloat16 one."
 )
 
 
@@ -746,26 +751,40 @@ def request_cpu_ms(w: Window, app: str) -> float:
     return spent * 1e3 / (w.requests_per_s * w.usage.wall_s)
 
 
-def path_key(path: str, dtype: str) -> tuple:
-    """(windows key, app) of ``path`` (``OURS`` or a Serve ceiling) in its safetensors cell."""
+def path_key(path: str, dtype: str, haproxy: bool = False) -> tuple:
+    """(windows key, app) of ``path`` (``OURS`` or a Serve ceiling) in its safetensors
+    cell, in the phase behind Serve's proxy or (``haproxy``) behind HAProxy."""
     if path == OURS:
-        cell = Cell("hit", dtype, "safetensors", 1)
+        cell = Cell("hit", dtype, "safetensors", 1, haproxy=haproxy)
         return cell, cell.app
-    return (path, dtype, "safetensors"), CEILING_APPS[path]
+    key = (path, dtype, "safetensors")
+    return ((HAPROXY, *key) if haproxy else key), CEILING_APPS[path]
 
 
-def per_request_table(m: Measured) -> str:
+def per_request_table(m: Measured, haproxy: bool = False) -> str:
+    """CPU-ms per request of each path and dtype, and the line through the two: CPU-ms
+    per request whatever its answer's size, plus CPU-ms per MB of answer (from the
+    medians and the two answers' sizes)."""
+    mb = [m.body_bytes[(dtype, "safetensors")] / 1e6 for dtype in DTYPES]
     rows = []
     for path in (OURS, *CEILING_APPS):
-        row = [path]
+        row, medians = [path], []
         for dtype in DTYPES:
-            key, app = path_key(path, dtype)
+            key, app = path_key(path, dtype, haproxy)
             if key in m.unsupported:
                 row.append("n/a (not supported)")
-            else:
-                row.append(spread([request_cpu_ms(w, app) for w in m.windows[key]]).fmt(1))
+                continue
+            figure = spread([request_cpu_ms(w, app) for w in m.windows[key]])
+            row.append(figure.fmt(1))
+            medians.append(figure.median)
+        if len(medians) == len(DTYPES) and mb[0] != mb[1]:
+            per_mb = (medians[0] - medians[1]) / (mb[0] - mb[1])
+            row += [f"{medians[1] - per_mb * mb[1]:.1f}", f"{per_mb:.2f}"]
+        else:
+            row += ["n/a", "n/a"]
         rows.append(row)
     header = ["path (safetensors, hits)", *(f"{d}: CPU-ms per request" for d in DTYPES)]
+    header += ["fitted: CPU-ms per request", "+ CPU-ms per MB"]
     return table(header, rows)
 
 

@@ -340,27 +340,31 @@ def per_request(app: str, requests_per_s: float, cpu_ms: dict[str, float]) -> se
     return window(2 * requests_per_s, 1.0, roles, busy=2.0)
 
 
-def test_cpu_per_request_counts_only_where_a_request_passes():
-    """Ours: 80 CPU-ms per float32 request, 60 per bfloat16 one; each ceiling 50 and 30;
-    the client, the controller and an idle app spend CPU too, which is not counted."""
-    ours = bench_bytes.Cell("hit", "float32", "safetensors", 1).app
+@pytest.mark.parametrize("haproxy", [False, True])
+def test_cpu_per_request_counts_only_where_a_request_passes(haproxy):
+    """Ours: 80 CPU-ms per float32 request (30 MB), 60 per bfloat16 one (15 MB); each
+    ceiling 50 and 30: 40 and 10 ms per request whatever its size, plus 1.33 per MB. The
+    client, the controller and an idle app spend CPU too, which is not counted; behind
+    HAProxy, HAProxy's 10 ms per request is."""
     m = bench_bytes.Measured()
+    m.body_bytes = {("float32", "safetensors"): 30_000_000, ("bfloat16", "safetensors"): 15_000_000}
+    front = 10 if haproxy else 0
     for dtype, ours_ms, theirs_ms, rate in (("float32", 80, 50, 10.0), ("bfloat16", 60, 30, 12.5)):
-        spent = {
-            "EncodeServer": ours_ms / 2,
-            "EncoderRank_0": ours_ms / 4,
-            "EncoderRank_1": ours_ms / 4,
-        }
-        m.windows[bench_bytes.Cell("hit", dtype, "safetensors", 1)] = [
-            per_request(ours, rate, spent)
-        ]
-        for path, app in bench_bytes.CEILING_APPS.items():
-            spent = {"Outer": theirs_ms - 5, "Inner": 5}
-            m.windows[(path, dtype, "safetensors")] = [per_request(app, 2 * rate, spent)]
-    text = bench_bytes.per_request_table(m)
-    assert "| ours (hits, 1 ingress) | 80.0 (80.0–80.0) | 60.0 (60.0–60.0) |" in text
+        for path in (bench_bytes.OURS, *bench_bytes.CEILING_APPS):
+            key, app = bench_bytes.path_key(path, dtype, haproxy)
+            ms = (ours_ms if path == bench_bytes.OURS else theirs_ms) - front
+            if path == bench_bytes.OURS:
+                spent = {"EncodeServer": ms / 2, "EncoderRank_0": ms / 4, "EncoderRank_1": ms / 4}
+            else:
+                spent = {"Outer": ms - 5, "Inner": 5}
+            w = per_request(app, rate, spent)
+            if haproxy:
+                w.usage.by_role[cpu.HAPROXY] = front * rate / 1e3
+            m.windows[key] = [w]
+    text = bench_bytes.per_request_table(m, haproxy=haproxy)
+    assert "| ours (hits, 1 ingress) | 80.0 (80.0–80.0) | 60.0 (60.0–60.0) | 40.0 | 1.33 |" in text
     for path in bench_bytes.CEILING_APPS:
-        assert f"| {path} | 50.0 (50.0–50.0) | 30.0 (30.0–30.0) |" in text
+        assert f"| {path} | 50.0 (50.0–50.0) | 30.0 (30.0–30.0) | 10.0 | 1.33 |" in text
 
 
 def test_settings_off_are_compared_with_the_default_cell_of_the_same_repeats():
