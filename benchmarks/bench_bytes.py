@@ -47,7 +47,17 @@ from pathlib import Path
 import numpy as np
 
 from . import bench_ingress, bench_serve, cpu
-from .common import Section, Spread, alternate, image, ratio, spread, standalone, table
+from .common import (
+    Section,
+    Spread,
+    alternate,
+    image,
+    line_through,
+    ratio,
+    spread,
+    standalone,
+    table,
+)
 from .serving import (
     Cluster,
     Http,
@@ -672,14 +682,6 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
         *(f"{c}: MB/s" for c in CEILINGS[1:]),
         *(f"ours / {hop}" for hop in hops),
     ]
-    ratios = [
-        [
-            label,
-            ratio_text(m, Cell("hit", *a, 1, haproxy=True), Cell("hit", *b, 1, haproxy=True)),
-            *(ratio_text(m, (HAPROXY, c, *a), (HAPROXY, c, *b)) for c in CEILINGS[1:]),
-        ]
-        for label, a, b in RATIOS
-    ]
     return Section(
         "Feature bytes behind HAProxy",
         COMMAND,
@@ -694,7 +696,7 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
             "are in the section above.",
             table(header, rows),
             "The issue's ratios of images/s behind HAProxy, ours next to the ceilings':",
-            table(["ratio", OURS, *CEILINGS[1:]], ratios),
+            ceiling_ratio_table(m, haproxy=True),
             "Cores busy by process in ours' safetensors cells (CPU seconds / wall seconds, "
             "median of the repeats):",
             haproxy_cpu_table(m, s),
@@ -717,12 +719,15 @@ CEILING_RATIOS = (
 )
 
 
-def ceiling_ratio_table(m: Measured) -> str:
+def ceiling_ratio_table(m: Measured, haproxy: bool = False) -> str:
+    """``RATIOS`` of ours (hits, 1 ingress) and of each Serve ceiling, in the phase
+    behind Serve's proxy or (``haproxy``) behind HAProxy."""
+    front = (HAPROXY,) if haproxy else ()
     rows = [
         [
             label,
-            ratio_text(m, Cell("hit", *a, 1), Cell("hit", *b, 1)),
-            *(ratio_text(m, (c, *a), (c, *b)) for c in CEILINGS[1:]),
+            ratio_text(m, Cell("hit", *a, 1, haproxy=haproxy), Cell("hit", *b, 1, haproxy=haproxy)),
+            *(ratio_text(m, (*front, c, *a), (*front, c, *b)) for c in CEILINGS[1:]),
         ]
         for label, a, b in RATIOS
     ]
@@ -757,8 +762,8 @@ def path_key(path: str, dtype: str, haproxy: bool = False) -> tuple:
     if path == OURS:
         cell = Cell("hit", dtype, "safetensors", 1, haproxy=haproxy)
         return cell, cell.app
-    key = (path, dtype, "safetensors")
-    return ((HAPROXY, *key) if haproxy else key), CEILING_APPS[path]
+    front = (HAPROXY,) if haproxy else ()
+    return (*front, path, dtype, "safetensors"), CEILING_APPS[path]
 
 
 def per_request_table(m: Measured, haproxy: bool = False) -> str:
@@ -778,8 +783,8 @@ def per_request_table(m: Measured, haproxy: bool = False) -> str:
             row.append(figure.fmt(1))
             medians.append(figure.median)
         if len(medians) == len(DTYPES) and mb[0] != mb[1]:
-            per_mb = (medians[0] - medians[1]) / (mb[0] - mb[1])
-            row += [f"{medians[1] - per_mb * mb[1]:.1f}", f"{per_mb:.2f}"]
+            at_zero, per_mb = line_through(mb, medians)
+            row += [f"{at_zero:.1f}", f"{per_mb:.2f}"]
         else:
             row += ["n/a", "n/a"]
         rows.append(row)

@@ -36,7 +36,18 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import cpu
-from .common import Section, Spread, alternate, arguments, image, ratio, spread, standalone, table
+from .common import (
+    Section,
+    Spread,
+    alternate,
+    arguments,
+    image,
+    line_through,
+    ratio,
+    spread,
+    standalone,
+    table,
+)
 from .direct import DirectWorkers
 from .serving import Cluster, Http, Window, app_args, closed_loop, server_failed
 
@@ -421,8 +432,8 @@ def split_per_request(run: PresetRun) -> list[str]:
     for name in sorted((set(small) | set(large)) - {OUTSIDE}, key=_order):
         c_small = small[name].median if name in small else 0.0
         c_large = large[name].median if name in large else 0.0
-        per_request = (c_small - c_large) / (1 / PER_REQUEST - 1 / LARGE)
-        per_image = c_large - per_request / LARGE
+        # c(k) = per image + per request / k: a line in 1 / k
+        per_image, per_request = line_through([1 / PER_REQUEST, 1 / LARGE], [c_small, c_large])
         rows.append(
             [name, f"{c_small:.1f}", f"{c_large:.1f}", f"{per_request:.1f}", f"{per_image:.1f}"]
         )

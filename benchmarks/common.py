@@ -160,6 +160,12 @@ def spread(values: Sequence[float]) -> Spread:
     return Spread(tuple(float(v) for v in values))
 
 
+def line_through(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(value at x = 0, slope) of the line through the two points (x[0], y[0]), (x[1], y[1])."""
+    slope = (y[0] - y[1]) / (x[0] - x[1])
+    return y[1] - slope * x[1], slope
+
+
 def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
     """Per-repeat ratios of two setups measured in the same repeats."""
     return spread([a / b for a, b in zip(numerator, denominator, strict=True)])

@@ -597,3 +597,12 @@ def test_ingress_table_compares_each_path_through_both_ingresses_repeat_by_repea
         "| hand-off parts | 300 (300–300) | 10.0 (10.0–10.0) | 525 (450–600) "
         "| 17.5 (15.0–20.0) | **1.75x (1.50–2.00)** |"
     )
+
+
+def test_line_through_two_points():
+    """y = 3 + 2x through x = 1 and x = 4, given in either order; the page's per-request
+    split of served dp 1 (10.0 and 4.4 CPU-ms per image at 2 and 8 images a request)."""
+    assert common.line_through([1.0, 4.0], [5.0, 11.0]) == pytest.approx((3.0, 2.0))
+    assert common.line_through([4.0, 1.0], [11.0, 5.0]) == pytest.approx((3.0, 2.0))
+    per_image, per_request = common.line_through([1 / 2, 1 / 8], [10.0, 4.4])
+    assert (round(per_request, 1), round(per_image, 1)) == (14.9, 2.5)
