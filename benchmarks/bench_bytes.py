@@ -296,7 +296,7 @@ class Cell:
 
 # Our default glibc_tunables against none, in the cells the ceilings' ratio targets.
 UNTUNED = [Cell("hit", dtype, "safetensors", 1, tuned=False) for dtype in DTYPES]
-# Hits answered by the ingress from the refs it kept against hits that ask their rank.
+# Hits answered by the ingress from the features it held against hits that ask their rank.
 RANKS_ONLY = [Cell("hit", dtype, "safetensors", 1, kept=False) for dtype in DTYPES]
 # The ingress cache of the hit cells (and the ranks' feature cache): 256 MiB each.
 CACHE_BYTES = 256 << 20
@@ -794,8 +794,8 @@ def per_request_table(m: Measured, haproxy: bool = False) -> str:
 
 
 RANKS = (
-    "Our hits are answered by the ingress from the object-store refs it kept of the "
-    "ranks' answers (`ingress_cache_bytes`, 256 MiB here; off by default): no rank call. "
+    "Our hits are answered by the ingress from the ranks' answers it held, as it read "
+    "them in place from the object store (`ingress_cache_bytes`, 256 MiB here; off by default): no rank call. "
     "Ours with it off, every hit asking the rank that holds it, in the same repeats:"
 )
 

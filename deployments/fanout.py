@@ -37,8 +37,9 @@ down, a background probe (the rank's cheap ``load`` call) asks again every
 ``NoRankAvailableError`` (503 with ``Retry-After``), never a hang.
 
 With ``kept`` (``KeptFeatures``: the ingress cache, ``ingress_cache_bytes``), images
-whose features this replica kept a handle to are filled in first, without a rank
-call, and every answer's handles are kept; only the rest are assigned and sent.
+whose features this replica holds are filled in first, without a rank call, and
+every answer's arrays that lie in the object store are held; only the rest are
+assigned and sent.
 """
 
 from __future__ import annotations
@@ -142,16 +143,17 @@ class RankClient(Protocol):
 
 
 class KeptFeatures(Protocol):
-    """Features this ingress replica keeps a handle to (``handles.IngressCache``): a
-    repeated image is answered from them without a rank call."""
+    """Features this ingress replica holds (``handles.IngressCache``): a repeated image
+    is answered from them without a rank call."""
 
-    async def lookup(self, keys: Sequence[str]) -> dict[int, tuple[np.ndarray, int]]:
+    def lookup(self, keys: Sequence[str]) -> dict[int, tuple[np.ndarray, int]]:
         """Position in ``keys`` -> (features, the rank that encoded them), for the keys
-        whose features are still there."""
+        whose features are held."""
         ...
 
-    def keep(self, key: str, handle: Any, nbytes: int, rank: int) -> None:
-        """Keep ``handle`` (an answer's ``refs`` entry) to ``key``'s features."""
+    def keep(self, key: str, features: np.ndarray, rank: int) -> None:
+        """Hold ``features`` (an answer's array that lies in the object store) for
+        ``key``."""
         ...
 
 
@@ -366,7 +368,7 @@ class FanOut:
         deadline = time.monotonic() + self.timeout_s
         n = len(items)
         gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
-        await self._fill_kept(items, gathered)
+        self._fill_kept(items, gathered)
         if any(f is None for f in gathered.features):
             await self.dispatcher.refresh(self.ranks, skip=self.health.down())
         flights: list[_Flight] = []
@@ -394,12 +396,12 @@ class FanOut:
                 )
         return gathered
 
-    async def _fill_kept(self, items: Sequence[EncoderItem], gathered: Gathered) -> None:
+    def _fill_kept(self, items: Sequence[EncoderItem], gathered: Gathered) -> None:
         """Fill in the features this ingress replica kept (none without ``kept``)."""
         if self.kept is None:
             return
         gathered.keys = self.dispatcher.keys(items, gathered.dtype)
-        for i, (array, rank) in (await self.kept.lookup(gathered.keys)).items():
+        for i, (array, rank) in self.kept.lookup(gathered.keys).items():
             gathered.features[i], gathered.owners[i] = array, rank
 
     def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> list[int]:
@@ -516,8 +518,7 @@ class FanOut:
                 gathered.features[index] = result["features"][block]
                 gathered.owners[index] = rank
             if refs and refs[block] is not None and gathered.keys is not None:
-                array = result["features"][block]
-                self.kept.keep(gathered.keys[index], refs[block], array.nbytes, rank)
+                self.kept.keep(gathered.keys[index], result["features"][block], rank)
 
     def _late(self, flight: _Flight, gathered: Gathered, unrouted: bool = False) -> None:
         """No answer by the time its load predicts, or no replica took it in time: the

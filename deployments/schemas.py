@@ -283,10 +283,9 @@ class InfoResponse(BaseModel):
     )
     ingress_cache: dict[str, Any] | None = Field(
         None,
-        description="This ingress replica's cache of refs to the ranks' cached features "
-        "(ingress_cache_bytes; null when off): max_bytes, bytes, entries, hits, misses, "
-        "evictions, and lost (entries dropped because their features could not be read: "
-        "their rank died and the object store dropped them, or the read timed out).",
+        description="This ingress replica's cache of the ranks' cached features, held as "
+        "read from the object store (ingress_cache_bytes; null when off): max_bytes, "
+        "bytes, entries, hits, misses, evictions.",
     )
     handoff: dict[str, Any] | None = Field(
         None,
