@@ -795,7 +795,8 @@ def per_request_table(m: Measured, haproxy: bool = False) -> str:
 
 RANKS = (
     "Our hits are answered by the ingress from the ranks' answers it held, as it read "
-    "them in place from the object store (`ingress_cache_bytes`, 256 MiB here; off by default): no rank call. "
+    "them in place from the object store (`ingress_cache_bytes`, 256 MiB here; off by "
+    "default): no rank call. "
     "Ours with it off, every hit asking the rank that holds it, in the same repeats:"
 )
 
