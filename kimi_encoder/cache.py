@@ -117,14 +117,6 @@ class FeatureCache:
                 self.stats.evictions += 1
             self.stats.entries = len(self._data)
 
-    def discard(self, key: str) -> None:
-        """Drop ``key``'s entry, if any (its value is gone elsewhere)."""
-        with self._lock:
-            old = self._data.pop(key, None)
-            if old is not None:
-                self.stats.bytes -= old.nbytes
-                self.stats.entries = len(self._data)
-
     def clear(self) -> None:
         with self._lock:
             self._data.clear()

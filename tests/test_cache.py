@@ -95,19 +95,6 @@ def test_lru_bounded_in_bytes():
     assert cache.stats.misses == 1
 
 
-def test_discard_frees_its_bytes():
-    cache = FeatureCache(max_bytes=2 * 400)
-    cache.put("a", np.zeros(100, dtype=np.float32))
-    cache.put("b", np.zeros(100, dtype=np.float32))
-    cache.discard("a")
-    cache.discard("missing")  # nothing to drop: no error
-    assert (cache.stats.bytes, cache.stats.entries) == (400, 1)
-    assert "a" not in cache
-    cache.put("c", np.zeros(100, dtype=np.float32))  # fits again without an eviction
-    assert cache.stats.evictions == 0
-    assert "b" in cache
-
-
 def test_oversized_value_not_cached_and_values_read_only():
     cache = FeatureCache(max_bytes=100)
     cache.put("big", np.zeros(1000, dtype=np.float32))
