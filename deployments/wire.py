@@ -21,6 +21,13 @@ chunks, the served safetensors answers of ``bench_bytes`` (448x448 images at
 width 7168, 4 per request, dp 2, 4 clients, cache hits, 2-core EPYC, 5 repeats)
 moved 217 vs 219 MB/s in float32 and 145 vs 150 in bfloat16: no gain.
 
+Always ``bytes``, behind HAProxy too. Written into one numpy buffer and handed to
+the socket as a view, a body would skip one copy where the replica writes its own
+socket (4 items of 256 x 7168 float32 as JSON: 5.7 against 8.9 ms on one core of
+the 2-core EPYC, malloc set as the replicas run it). But HAProxy's backup server is
+Serve's proxy, which pickles the answer and cannot pickle a view, and nothing in a
+request tells the replica which of the two it came through.
+
 ``benchmarks/bench_wire.py`` measures both paths (time per MB, bytes allocated
 per payload byte).
 """
