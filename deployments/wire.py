@@ -22,11 +22,15 @@ width 7168, 4 per request, dp 2, 4 clients, cache hits, 2-core EPYC, 5 repeats)
 moved 217 vs 219 MB/s in float32 and 145 vs 150 in bfloat16: no gain.
 
 Always ``bytes``, behind HAProxy too. Written into one numpy buffer and handed to
-the socket as a view, a body would skip one copy where the replica writes its own
-socket (4 items of 256 x 7168 float32 as JSON: 5.7 against 8.9 ms on one core of
-the 2-core EPYC, malloc set as the replicas run it). But HAProxy's backup server is
-Serve's proxy, which pickles the answer and cannot pickle a view, and nothing in a
-request tells the replica which of the two it came through.
+the socket as a view, a body skips one copy where the replica writes its own socket
+(4 items of 256 x 7168 float32 as JSON: 5.7 against 8.9 ms alone on one core of the
+2-core EPYC, malloc set as the replicas run it). It cannot go everywhere: HAProxy's
+backup server is Serve's proxy, which pickles the answer and cannot pickle a view,
+so the path must be told per request (only by the type of Serve's private ASGI
+``receive``). Served behind HAProxy (``bench_bytes``' hit cells, 4 clients, four 4 s
+windows per cell, each version in a run of its own), the ingress replica's CPU per
+request did not move beyond the noise: float32 JSON 31.6 ms as ``bytes``, 34.0 as a
+view; bfloat16 JSON 20.4 and 17.6; safetensors 22.4 and 22.4, 12.7 and 14.6.
 
 ``benchmarks/bench_wire.py`` measures both paths (time per MB, bytes allocated
 per payload byte).
