@@ -129,18 +129,25 @@ def v1_encode(url: str, images: list[bytes]) -> tuple[np.ndarray, list[dict]]:
     return np.concatenate([decode_features(item) for item in items]), items
 
 
-def assert_part(meta, embedding, req_id: str, want: np.ndarray, items: list[dict]) -> None:
-    """Frame 0 names the part, its grids and original sizes; frame 1 is ``want``."""
+def assert_part(
+    meta, embedding, req_id: str, want: np.ndarray, items: list[dict], exact: bool = True
+) -> None:
+    """Frame 0 names the part, its grids and original sizes; frame 1 is ``want``: bit for
+    bit where the part's images were encoded in the same batches as ``want``'s, else (a
+    rank batched them with other requests' images) within 1e-5, as test_parity.py."""
     assert (meta.req_id, meta.num_parts, meta.part_idx) == (req_id, 1, 0)
     assert meta.modality == ("Modality", 1)
     assert meta.error_msg is None
     assert meta.grid_dim.tolist() == [item["grid_thw"] for item in items]
     assert meta.original_image_sizes == [item["original_size"] for item in items]
     assert meta.shape == list(want.shape)
-    if meta.dtype == torch.float32:
+    if meta.dtype == torch.float32 and exact:
         assert np.array_equal(embedding.numpy(), want)  # bit for bit
+    elif meta.dtype == torch.float32:
+        np.testing.assert_allclose(embedding.numpy(), want, rtol=0, atol=1e-5)
     else:
         assert meta.dtype == torch.bfloat16
+        assert exact, "a bfloat16 part is compared bit for bit only"
         assert torch.equal(embedding, torch.from_numpy(want).to(torch.bfloat16))
 
 
@@ -242,9 +249,12 @@ def test_registrations_and_parts_spread_over_two_ingress_replicas(url, pull):
         bodies = [part(f"spread{i}_local_part_0", [data_url(b)]) for i, b in enumerate(images)]
         answers = list(pool.map(lambda body: post(url, "/encode", body), bodies))
     assert [a.status_code for a in answers] == [200] * len(images), [a.text for a in answers]
+    # Sent at once, the parts' images shared the ranks' batches; on CPUs whose matrix
+    # kernels depend on a batch's row count (AVX-512 MKL), an image's float32 features
+    # then differ in the last bits from those of the image encoded alone.
     for i, ((sock, _), data) in enumerate(zip(sockets, images, strict=True)):
         want, items = v1_encode(url, [data])
-        assert_part(*receive(sock), f"spread{i}_local_part_0", want, items)
+        assert_part(*receive(sock), f"spread{i}_local_part_0", want, items, exact=False)
 
 
 TRUNCATED = IMAGES[0][: len(IMAGES[0]) // 2]  # a valid header, pixels cut off
