@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import ray
@@ -82,15 +83,24 @@ def rss_mb(pids: list[int]) -> float:
     return total / 1024
 
 
+def open_post(url: str, length: int, timeout_s: float) -> socket.socket:
+    """A connection to ``url``'s server that has sent the head of a JSON POST to it
+    announcing a ``length``-byte body, and none of the body yet."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname, parts.port), timeout=timeout_s)
+    sock.sendall(
+        f"POST {parts.path} HTTP/1.1\r\nHost: {parts.hostname}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n".encode()
+    )
+    return sock
+
+
 class SlowBodies:
     """``count`` connections that each send one body byte every 2 s, re-opened when the
     server answers; every answer is recorded with how long its connection lived."""
 
     def __init__(self, url: str, count: int):
-        address = url.split("//")[1].split("/")[0]
-        self.host, port = address.split(":")
-        self.port = int(port)
-        self.path = "/" + url.split("//")[1].split("/", 1)[1] + "/v1/encode"
+        self.url = f"{url}/v1/encode"
         self.count = count
         self.answers: list[tuple[int, float, str]] = []  # (status, seconds, error type)
         self._stop = threading.Event()
@@ -105,12 +115,8 @@ class SlowBodies:
         self._thread.join(30)
 
     def _open(self) -> tuple[socket.socket, float]:
-        sock = socket.create_connection((self.host, self.port), timeout=10)
-        head = (
-            f"POST {self.path} HTTP/1.1\r\nHost: {self.host}\r\n"
-            "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n{"
-        )
-        sock.sendall(head.encode())
+        sock = open_post(self.url, 100000, timeout_s=10)
+        sock.sendall(b"{")
         sock.setblocking(False)
         return sock, time.monotonic()
 
@@ -249,15 +255,9 @@ def rank_counts(url: str) -> dict[str, int]:
 @contextlib.contextmanager
 def abandoned_post(url: str, body: bytes) -> Iterator[None]:
     """POST ``body`` to ``url`` and hang up, unanswered, when the block ends."""
-    address, path = url.split("//")[1].split("/", 1)
-    host, port = address.split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock = open_post(url, len(body), timeout_s=30)
     try:
-        head = (
-            f"POST /{path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n"
-        )
-        sock.sendall(head.encode() + body)
+        sock.sendall(body)
         yield
     finally:
         sock.close()
