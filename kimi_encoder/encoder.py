@@ -67,6 +67,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) 
     return DTYPES[dtype]
 
 
+def exact_float32(device: torch.device, dtype: torch.dtype) -> None:
+    """A float32 model on CUDA computes in float32: its matmuls are told to use IEEE
+    float32 (``fp32_precision = "ieee"``), not TF32, whatever the process had set
+    (``torch.set_float32_matmul_precision("high")``, say). The setting is the process's,
+    so it is changed only for a float32 model on CUDA; bfloat16 and float16 models and
+    CPU ones keep every fast path. The model has no convolution (the patch embedding is
+    a matmul), so cuDNN's TF32 default does not reach it."""
+    if torch.device(device).type != "cuda" or dtype != torch.float32:
+        return
+    matmul = torch.backends.cuda.matmul
+    if matmul.fp32_precision != "ieee":
+        log.info(
+            "float32 model on CUDA: matmuls set to IEEE float32 (were %r)", matmul.fp32_precision
+        )
+        matmul.fp32_precision = "ieee"
+
+
 class VisionEncoder:
     """Tower + projector on one device, with the checkpoint's preprocessing."""
 
@@ -86,6 +103,7 @@ class VisionEncoder:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.backend = resolve_backend(backend, self.device)
+        exact_float32(self.device, self.dtype)
         self._streams = threading.local()  # per-thread CUDA streams of prepare()
 
     @classmethod

@@ -187,7 +187,11 @@ class PatchEmbed(nn.Module):
         self.pos_emb = PositionEmbedding(cfg)
 
     def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        x = self.proj(pixels).view(pixels.shape[0], -1)  # (num_patches, hidden)
+        # The patch-sized, patch-strided convolution is one matmul over flattened patches:
+        # the same numbers, without cuDNN (whose float32 convolutions run in TF32 by
+        # default, so float32 on CUDA would not be float32). The weights stay the conv's.
+        weight = self.proj.weight.flatten(1)  # (hidden, 3*p*p)
+        x = F.linear(pixels.flatten(1), weight, self.proj.bias)  # (num_patches, hidden)
         return x + self.pos_emb(grids)
 
 

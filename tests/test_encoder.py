@@ -5,8 +5,10 @@ import dataclasses
 import pytest
 import torch
 from images import image_bytes
+from safetensors.torch import load_file
 
-from kimi_encoder.encoder import VisionEncoder, resolve_dtype
+from kimi_encoder.cli import main
+from kimi_encoder.encoder import VisionEncoder, exact_float32, resolve_dtype
 from kimi_encoder.items import EncoderItem
 
 SIZES = [(100, 37), (900, 700), (1, 1), (28, 280), (333, 111), (64, 64)]
@@ -134,3 +136,69 @@ def test_auto_dtype_on_cuda_is_bfloat16():
     (features,) = enc.encode([enc.plan(image_bytes("RGB", (100, 37)))])
     assert features.dtype == torch.bfloat16
     assert torch.isfinite(features.float()).all()
+
+
+def test_patch_embedding_is_the_convolution(encoder):
+    """The patch embedding runs as one matmul (no cuDNN, so no TF32 on CUDA); it computes
+    the checkpoint's patch-sized, patch-strided convolution."""
+    embed = encoder.model.vision_tower.patch_embed
+    p = encoder.vision.patch_size
+    pixels = torch.randn(37, 3, p, p, generator=torch.Generator().manual_seed(0))
+    grids = [(1, 37, 1)]
+    with torch.inference_mode():
+        ours = embed(pixels, grids)
+        conv = torch.nn.functional.conv2d(pixels, embed.proj.weight, embed.proj.bias, stride=p)
+        want = conv.flatten(1) + embed.pos_emb(grids)
+    torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)
+
+
+@pytest.fixture
+def matmul_precision():
+    """The process's float32 matmul setting, restored after the test (new API only:
+    reading the legacy ``allow_tf32`` after a new-API write raises)."""
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.fp32_precision
+    yield matmul
+    matmul.fp32_precision = saved
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "after"),
+    [
+        ("cuda", torch.float32, "ieee"),  # float32 on CUDA: float32, whatever was set
+        ("cuda", torch.bfloat16, "tf32"),  # low precision keeps the process's fast paths
+        ("cuda", torch.float16, "tf32"),
+        ("cpu", torch.float32, "tf32"),  # no CUDA matmul: nothing to change
+    ],
+    ids=["cuda-fp32", "cuda-bf16", "cuda-fp16", "cpu-fp32"],
+)
+def test_float32_on_cuda_means_float32(matmul_precision, device, dtype, after):
+    matmul_precision.fp32_precision = "tf32"  # as torch.set_float32_matmul_precision("high")
+    exact_float32(torch.device(device), dtype)
+    assert matmul_precision.fp32_precision == after
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("through", ["library", "cli"])
+def test_cuda_float32_matches_cpu(oracle_dir, oracle_encoder, matmul_precision, tmp_path, through):
+    """float32 on CUDA within 1e-4 of the CPU features, with the process asking for TF32
+    matmuls (and cuDNN's TF32 default) beforehand: the encoder turns it back to float32."""
+    matmul_precision.fp32_precision = "tf32"
+    paths = sorted((oracle_dir / "images").iterdir())
+    want = oracle_encoder.encode([oracle_encoder.plan(p.read_bytes()) for p in paths])
+    if through == "library":
+        cuda = VisionEncoder.from_pretrained(
+            oracle_dir / "checkpoint", device="cuda", dtype="float32", backend="cpu"
+        )
+        got = cuda.encode([cuda.plan(p.read_bytes()) for p in paths])
+    else:
+        out = tmp_path / "cuda.safetensors"
+        args = ["encode", "--checkpoint", str(oracle_dir / "checkpoint"), "--backend", "cpu"]
+        args += ["--device", "cuda", "--dtype", "float32", "--out", str(out), *map(str, paths)]
+        assert main(args) == 0
+        saved = load_file(str(out))
+        got = [saved[f"features.{i}"] for i in range(len(paths))]
+    for ours, cpu in zip(got, want, strict=True):
+        assert ours.dtype == torch.float32
+        assert (ours.cpu() - cpu).abs().max().item() <= 1e-4
