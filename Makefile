@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test bench lint clean system-deps browser-deps interop-env interop
+.PHONY: install serve test test-fast bench lint clean system-deps browser-deps interop-env interop
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,11 @@ HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
 	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
+
+# The inner loop: every test that starts no Ray cluster (library, admission, fan-out,
+# wire formats, docstring examples); `make test` stays the full suite that CI runs.
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not serve and not chaos" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

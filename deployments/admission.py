@@ -403,6 +403,10 @@ def parse_json(body: bytes) -> Any:
         raise MalformedBodyError(
             f"JSON object has the key {exc.key!r} more than once; send each key once."
         ) from None
+    except request_json.NestingError as exc:
+        raise MalformedBodyError(
+            f"body is not an EncodeRequest: {exc}; an EncodeRequest nests a few levels."
+        ) from None
     except json.JSONDecodeError as exc:
         raise MalformedBodyError(
             f"body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "

@@ -17,6 +17,10 @@ hook refusing repeated keys answers:
 - orjson keeps the last of repeated keys, so a body it accepts is scanned for
   them: ``first_duplicate_key`` finds, in the object the standard library would
   finish first, the key it would have refused.
+
+One answer differs: a body nested past what the standard library's recursive
+parser can hold (which depends on the caller's stack, not on the document alone)
+is refused with ``NestingError``, where ``json.loads`` raises ``RecursionError``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ _TOKEN = re.compile(rb'["{}]')
 _COLON = re.compile(rb"[ \t\n\r]*:")
 # The rest of a string that has escapes, through its closing quote.
 _ESCAPED_REST = re.compile(rb'(?:[^"\\]+|\\.)*"', re.DOTALL)
+MAX_DEPTH = 1024  # orjson's nesting limit; deeper, the standard library's parser runs
 _HUGE = float(2**63)  # orjson's integers reach -2**63 .. 2**64 - 1; past them, floats
 
 
@@ -44,11 +49,22 @@ class DuplicateKeyError(ValueError):
         self.key = key
 
 
+class NestingError(ValueError):
+    """A JSON document nests arrays and objects deeper than the parsers read."""
+
+    def __init__(self):
+        super().__init__(
+            f"JSON nests arrays or objects too deeply (more than {MAX_DEPTH} levels, or past "
+            "what the parser can hold)"
+        )
+
+
 def loads(body: bytes) -> Any:
     """The JSON document of ``body`` (UTF-8, or any encoding ``json.loads`` detects).
 
     Raises ``json.JSONDecodeError`` or ``UnicodeDecodeError`` as ``json.loads`` does,
-    and ``DuplicateKeyError`` for a repeated key in any object.
+    ``DuplicateKeyError`` for a repeated key in any object and ``NestingError`` for a
+    document nested too deeply to parse.
 
     >>> loads(b'{"a": [1, {"b": "x"}]}')
     {'a': [1, {'b': 'x'}]}
@@ -63,7 +79,10 @@ def loads(body: bytes) -> Any:
     except orjson.JSONDecodeError:
         exact = False
     if not exact:
-        return json.loads(body, object_pairs_hook=_no_duplicates)
+        try:
+            return json.loads(body, object_pairs_hook=_no_duplicates)
+        except RecursionError:  # the C scanner recurses per level and unwinds cleanly
+            raise NestingError() from None
     key = first_duplicate_key(body)
     if key is not None:
         raise DuplicateKeyError(key)

@@ -1,5 +1,7 @@
 """The offline CLI: encode writes the documented tensors; bad files exit 2 naming the file."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -56,3 +58,17 @@ def test_missing_file(tmp_path, capsys):
     code = main(["encode", "--out", str(tmp_path / "o.safetensors"), str(tmp_path / "nope.png")])
     assert code == 2
     assert "nope.png" in capsys.readouterr().err
+
+
+def test_runs_as_a_module():
+    """``python -m kimi_encoder`` is the CLI, without the entry point on the PATH."""
+    done = subprocess.run(
+        [sys.executable, "-m", "kimi_encoder", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: kimi-encoder")
+    for command in ("encode", "make-checkpoint", "client"):
+        assert command in done.stdout

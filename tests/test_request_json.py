@@ -16,7 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deployments.admission import MalformedBodyError, parse_json
-from deployments.request_json import DuplicateKeyError, first_duplicate_key, loads
+from deployments.request_json import (
+    DuplicateKeyError,
+    NestingError,
+    first_duplicate_key,
+    loads,
+)
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -181,3 +186,28 @@ def test_the_scan_finds_no_repeat_where_there_is_none():
 def test_parse_json_refuses_with_the_served_message(body: bytes, match: str):
     with pytest.raises(MalformedBodyError, match=match):
         parse_json(body)
+
+
+def nested(depth: int, inside_item: bool, tail: bytes = b"") -> bytes:
+    """A body nesting ``depth`` arrays at its top, or as an item's image."""
+    deep = b"[" * depth + tail + b"]" * depth
+    if not inside_item:
+        return deep
+    return b'{"items": [{"type": "image", "image": ' + deep + b"}]}"
+
+
+@pytest.mark.parametrize("inside_item", [False, True], ids=["top", "in-item"])
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+@pytest.mark.parametrize("tail", [b"", b"NaN"], ids=["plain", "stdlib-only-value"])
+def test_deep_nesting_is_refused_not_a_recursion_error(depth, inside_item, tail):
+    """orjson refuses past 1024 levels; the standard library's recursive parser would
+    raise RecursionError (a 500), so the body is refused as too deeply nested."""
+    body = nested(depth, inside_item, tail)
+    with pytest.raises(NestingError, match="too deeply"):
+        loads(body)
+    with pytest.raises(MalformedBodyError, match="nests arrays or objects too deeply"):
+        parse_json(body)
+
+
+def test_nesting_orjson_reads_is_a_document():
+    assert loads(nested(1000, inside_item=True))["items"][0]["type"] == "image"

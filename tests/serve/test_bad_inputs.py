@@ -275,6 +275,22 @@ MATRIX += [
     ("multipart-no-boundary", raw(b"--x\r\n", "multipart/form-data"), 422, ["boundary"]),
 ]
 
+
+def nested(depth: int, inside_item: bool) -> dict:
+    """A JSON body nesting ``depth`` arrays at its top, or as item 1's image."""
+    deep = b"[" * depth + b"]" * depth
+    if inside_item:
+        good = b'{"type": "image", "image": "' + b64(GOOD).encode() + b'"}'
+        deep = b'{"items": [' + good + b', {"type": "image", "image": ' + deep + b"}]}"
+    return raw(deep, "application/json")
+
+
+MATRIX += [
+    (f"nested-{depth}-{where}", nested(depth, where == "in-item"), 422, ["too deeply"])
+    for depth in (5_000, 100_000)
+    for where in ("top", "in-item")
+]
+
 # Refused by the owner rank (a valid header over a cut body); every other case is refused
 # at admission and never reaches a rank.
 AT_RANK = {"truncated-png", "truncated-jpeg", "multipart-truncated"}
