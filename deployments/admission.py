@@ -25,7 +25,7 @@ from starlette.requests import Request
 from kimi_encoder import b64
 from kimi_encoder.config import PreprocessConfig, VisionConfig
 from kimi_encoder.engines.vllm import check_uuid
-from kimi_encoder.features import FEATURE_DTYPES
+from kimi_encoder.features import FEATURE_DTYPES, PIXEL_DTYPE, STORAGE
 from kimi_encoder.items import (
     BACKENDS,
     EncoderInputError,
@@ -340,14 +340,15 @@ def _decode_pixel_values(entry: ImageItem, patch: int, index: int) -> torch.Tens
             index,
         )
     raw = _b64(values.data, "'pixel_values.data'", index)
-    need = int(np.prod(shape)) * 4
+    storage = STORAGE[PIXEL_DTYPE]
+    need = int(np.prod(shape)) * storage.itemsize
     if len(raw) != need:
         raise EncoderInputError(
-            f"pixel_values.data has {len(raw)} bytes but shape {shape} of float32 needs {need}; "
-            "send the array's little-endian bytes in C order.",
+            f"pixel_values.data has {len(raw)} bytes but shape {shape} of {PIXEL_DTYPE} needs "
+            f"{need}; send the array's little-endian bytes in C order.",
             index,
         )
-    array = np.frombuffer(raw, dtype="<f4").reshape(shape)
+    array = np.frombuffer(raw, dtype=storage).reshape(shape)
     bad = int(array.size - np.count_nonzero(np.isfinite(array)))
     if bad:
         raise EncoderInputError(

@@ -15,20 +15,15 @@ that rank starts (``rank.check_resources``).
 # annotation as a class to validate `args:` into AppArgs; a string annotation
 # would make it pass the raw dict.
 
-import logging
-
 from ray import serve
 from ray.serve import Application
 
-from kimi_encoder.config import PRESETS
 from kimi_encoder.encoder import VisionEncoder
 
 from .args import AppArgs
 from .handoff import HandoffRegistry
 from .ingress import EncodeServer
 from .rank import EncoderFactory, EncoderRank
-
-log = logging.getLogger("ray.serve")
 
 INGRESS_NAME = "EncodeServer"
 REGISTRY_NAME = "HandoffRegistry"
@@ -54,13 +49,6 @@ def bind_app(
 ) -> Application:
     """``build_app`` with the ranks' encoder made by ``encoder_factory`` (called like
     ``VisionEncoder.from_pretrained``): tests pass one that can be slowed down or broken."""
-    if args.checkpoint in PRESETS:
-        log.warning(
-            "checkpoint %r is a preset: seeded random weights (seed %d), features are "
-            "meaningless; pass a checkpoint directory for real ones.",
-            args.checkpoint,
-            args.seed,
-        )
     # One single-replica deployment per rank, the rank a constructor argument, not one
     # N-replica deployment behind a custom RequestRouter: deployments and handles are
     # stable public API; each rank gets its own dashboard row, log file, queue and

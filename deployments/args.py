@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kimi_encoder.engines.media import FetchPolicy
+from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
 
 from .batcher import BatchingConfig
@@ -131,12 +132,10 @@ class AppArgs(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Device of each rank; 'auto' means cuda when num_gpus > 0, else cpu."
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto",
-        description="Weights and compute dtype of the ranks; 'auto': bfloat16 on a cuda rank "
-        "(float32 there is many times slower), float32 on a cpu one.",
+    dtype: Literal["auto", FeatureDtype] = Field(
+        "auto", description=f"Weights and compute dtype of the ranks; 'auto': {AUTO_RULE}."
     )
-    feature_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+    feature_dtype: FeatureDtype | None = Field(
         None,
         description="Element type of returned features unless a request asks for another; "
         "None: the model's dtype (each rank casts on its device before the copy to host).",
@@ -455,7 +454,7 @@ class AppArgs(BaseModel):
         """The ranks' dtype: 'auto' follows their device."""
         if self.dtype != "auto":
             return self.dtype
-        return "bfloat16" if self.rank_device == "cuda" else "float32"
+        return auto_dtype(self.rank_device)
 
     @property
     def default_feature_dtype(self) -> str:

@@ -16,8 +16,15 @@ from pydantic import (
     model_validator,
 )
 
+from kimi_encoder.features import (
+    FEATURE_DTYPES,
+    PIXEL_DTYPE,
+    SAFETENSORS,
+    FeatureDtype,
+    PixelDtype,
+)
+
 ResponseFormat = Literal["json", "safetensors"]
-FeatureDtype = Literal["float32", "bfloat16", "float16"]
 
 _PNG_1X1 = (
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGP4z8AAAAMBAQDJ/pLvAAAAAElFTkSuQmCC"
@@ -35,7 +42,7 @@ class PixelValues(BaseModel):
         max_length=4,
         description="[rows, 3, patch, patch]; rows = sum of t*h*w (below 2**31).",
     )
-    dtype: Literal["float32"] = Field("float32", description="Element type; only float32.")
+    dtype: PixelDtype = Field(PIXEL_DTYPE, description=f"Element type; only {PIXEL_DTYPE}.")
 
 
 class ImageItem(BaseModel):
@@ -120,14 +127,14 @@ class EncodeRequest(BaseModel):
 
     items: list[Item] = Field(min_length=1, description="Items to encode, answered in order.")
     response_format: ResponseFormat = Field(
-        "json", description="'json' (base64 float32) or 'safetensors' (binary body)."
+        "json", description="'json' (base64 of the features' bytes) or 'safetensors' (binary body)."
     )
     backend: str | None = Field(
         None, description="Preprocessing backend for this request: 'gpu' or 'cpu'."
     )
     feature_dtype: FeatureDtype | None = Field(
         None,
-        description="Element type of the returned features: float32, bfloat16 or float16; "
+        description=f"Element type of the returned features: {', '.join(FEATURE_DTYPES)}; "
         "default: the server's feature_dtype (the model's dtype unless configured).",
     )
     output: VllmEcOutput | None = Field(
@@ -151,7 +158,7 @@ class ItemFeatures(BaseModel):
     )
     shape: list[int] = Field(description="[num_tokens, text_hidden_size].")
     dtype: FeatureDtype = Field(
-        description="Element type of 'data': float32, float16, or bfloat16 as raw 2-byte words."
+        description="Element type of 'data' (bfloat16 as raw 2-byte words)."
     )
     data: str = Field(
         description="Base64 of the features' little-endian bytes, row after row (bfloat16: "
@@ -180,7 +187,7 @@ class EncodeResponse(BaseModel):
                             "num_tokens": 1,
                             "owner_rank": 0,
                             "shape": [1, 80],
-                            "dtype": "float32",
+                            "dtype": FEATURE_DTYPES[0],
                             "data": "AAAAAA...",
                         }
                     ],
@@ -322,11 +329,12 @@ _MULTIPART_SCHEMA = {
         },
         "response_format": {"type": "string", "enum": ["json", "safetensors"], "default": "json"},
         "backend": {"type": "string", "enum": ["gpu", "cpu"]},
-        "feature_dtype": {"type": "string", "enum": ["float32", "bfloat16", "float16"]},
+        "feature_dtype": {"type": "string", "enum": list(FEATURE_DTYPES)},
     },
 }
 _SAFETENSORS_DOC = (
-    "safetensors file: features.{i} (F32, BF16 or F16: the feature dtype), grid_thw.{i} "
+    f"safetensors file: features.{{i}} ({', '.join(SAFETENSORS.values())}: the feature "
+    "dtype), grid_thw.{i} "
     "int64 [1, 3]; metadata 'owner_ranks' (JSON list) and 'model'."
 )
 # Keyword arguments of the route decorator.

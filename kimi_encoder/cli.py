@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from .config import PRESETS, get_preset
-from .encoder import DTYPES, VisionEncoder
+from .encoder import VisionEncoder
+from .features import AUTO_RULE, FEATURE_DTYPES, PIXEL_DTYPE
 from .weights import write_checkpoint
 
 
@@ -96,14 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument(
         "--dtype",
         default="auto",
-        choices=["auto", *DTYPES],
-        help="weights and compute; auto: bfloat16 on CUDA, float32 on CPU",
+        choices=["auto", *FEATURE_DTYPES],
+        help=f"weights and compute; auto: {AUTO_RULE}",
     )
     enc.add_argument("--out", required=True, help="output .safetensors file")
     enc.add_argument(
         "--save-pixels",
         action="store_true",
-        help="also write pixel_values.{i} (float32 [patches, 3, 14, 14])",
+        help=f"also write pixel_values.{{i}} ({PIXEL_DTYPE} [patches, 3, 14, 14])",
     )
     enc.add_argument("images", nargs="+", help="image files; i is the position on this line")
     enc.set_defaults(func=_encode)
@@ -127,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--backend", choices=["cpu", "gpu"], help="preprocessing backend")
     cl.add_argument(
         "--feature-dtype",
-        choices=["float32", "bfloat16", "float16"],
+        choices=FEATURE_DTYPES,
         help="dtype of the features asked for and written (default: the server's)",
     )
     cl.add_argument(

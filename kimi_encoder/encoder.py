@@ -21,6 +21,7 @@ import torch
 
 from . import preprocess as pp
 from .config import PRESETS, PreprocessConfig, VisionConfig, resolve_configs
+from .features import AUTO_RULE, FEATURE_DTYPES, auto_dtype, dtype_name, torch_dtype
 from .items import MSG_LENGTH, MSG_ONE_GRID, EncoderItem, plan_image, resolve_backend
 from .weights import load_model, random_model
 
@@ -37,9 +38,6 @@ class Prepared:
     ready: torch.cuda.Event | None = None
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,18 +51,17 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device | None = None) -> torch.dtype:
-    """A dtype name or torch dtype; 'auto' is bfloat16 on a CUDA ``device``, else float32."""
+    """A dtype name or torch dtype; 'auto' follows ``device`` (``features.auto_dtype``)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        return torch.bfloat16 if on_cuda else torch.float32
-    if dtype not in DTYPES:
+        return torch_dtype(auto_dtype(torch.device(device or "cpu").type))
+    if dtype not in FEATURE_DTYPES:
         raise ValueError(
-            f"Unsupported dtype {dtype!r}; allowed: {', '.join(DTYPES)}, auto (bfloat16 on "
-            "CUDA, float32 on CPU)."
+            f"Unsupported dtype {dtype!r}; allowed: {', '.join(FEATURE_DTYPES)}, auto "
+            f"({AUTO_RULE})."
         )
-    return DTYPES[dtype]
+    return torch_dtype(dtype)
 
 
 def exact_float32(device: torch.device, dtype: torch.dtype) -> None:
@@ -118,7 +115,7 @@ class VisionEncoder:
     ) -> VisionEncoder:
         """Load a checkpoint directory, or build a preset with seeded random weights.
 
-        ``dtype`` 'auto' is bfloat16 on CUDA and float32 on CPU.
+        ``dtype`` 'auto' follows the device (``features.auto_dtype``).
         """
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
@@ -237,7 +234,7 @@ class VisionEncoder:
         return {
             "model": self.name,
             **self.vision.summary(),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": dtype_name(self.dtype),
             "device": str(self.device),
             "backend": self.backend,
             "parameters": sum(p.numel() for p in self.model.parameters()),

@@ -1,5 +1,8 @@
 """Feature arrays on the wire: the three dtypes, their numpy storage and safetensors names.
 
+The one place that names the dtypes: the model computes in one of them, features
+travel in one, and ``auto_dtype`` says which one 'auto' means on a device.
+
 numpy has no bfloat16, so bfloat16 features travel as their raw 16-bit words in
 a ``uint16`` array next to the dtype's name; float32 and float16 are stored as
 themselves. Every array is little-endian and C-contiguous, so its bytes are the
@@ -19,14 +22,21 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
 if TYPE_CHECKING:  # torch only where tensors are: the HTTP client reads files without it
     import torch
 
-FEATURE_DTYPES = ("float32", "bfloat16", "float16")
+FeatureDtype = Literal["float32", "bfloat16", "float16"]
+FEATURE_DTYPES: tuple[str, ...] = get_args(FeatureDtype)
+# What dtype 'auto' means, by device type: float32 on a GPU is many times slower.
+AUTO_DTYPE = {"cuda": "bfloat16", "cpu": "float32"}
+AUTO_RULE = f"{AUTO_DTYPE['cuda']} on CUDA, {AUTO_DTYPE['cpu']} on CPU"
+# The element type of preprocessed pixel values in a request.
+PixelDtype = Literal["float32"]
+(PIXEL_DTYPE,) = get_args(PixelDtype)
 STORAGE = {"float32": np.dtype("<f4"), "bfloat16": np.dtype("<u2"), "float16": np.dtype("<f2")}
 SAFETENSORS = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -37,6 +47,11 @@ def check_dtype(name: str) -> str:
             f"feature dtype {name!r} is not supported; allowed: {', '.join(FEATURE_DTYPES)}."
         )
     return name
+
+
+def auto_dtype(device_type: str) -> str:
+    """The dtype 'auto' means on a device of ``device_type`` ('cuda', 'cpu', ...)."""
+    return AUTO_DTYPE["cuda" if device_type == "cuda" else "cpu"]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

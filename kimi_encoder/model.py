@@ -127,6 +127,12 @@ class PositionEmbedding(nn.Module):
         self.tables = TableCache(cache_bytes)
         self._stamp: tuple | None = None  # what the cached tables were computed from
 
+    def reset_buffers(self) -> None:
+        """Recompute the fixed time table in place of whatever ``to_empty`` left there (it
+        is no parameter: checkpoints do not hold it)."""
+        frames, _, dim = self.time_weight.shape
+        self.time_weight = _sincos_table(dim, frames).to(self.time_weight.device)
+
     def forward(self, grids: Sequence[Grid]) -> torch.Tensor:
         out = []
         for t, h, w in grids:

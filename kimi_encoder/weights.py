@@ -18,7 +18,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import PreprocessConfig, VisionConfig
-from .model import KimiVisionModel, _sincos_table
+from .features import dtype_name
+from .model import KimiVisionModel
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 INDEX_FILE = "model.safetensors.index.json"
@@ -109,7 +110,7 @@ def load_model(
     model = _empty_model(cfg, device, dtype)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     state = convert_state_dict(read_vision_tensors(root), expected)
-    return _fill(model, state.items(), cfg, device)
+    return _fill(model, state.items())
 
 
 def random_model(cfg: VisionConfig, seed: int, device, dtype: torch.dtype) -> KimiVisionModel:
@@ -118,7 +119,7 @@ def random_model(cfg: VisionConfig, seed: int, device, dtype: torch.dtype) -> Ki
     Tensors are drawn one at a time and copied into a model allocated in
     ``dtype``, so peak memory stays near the model's own size.
     """
-    return _fill(_empty_model(cfg, device, dtype), _random_tensors(cfg, seed), cfg, device)
+    return _fill(_empty_model(cfg, device, dtype), _random_tensors(cfg, seed))
 
 
 def random_state_dict(cfg: VisionConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -148,7 +149,7 @@ def _empty_model(cfg: VisionConfig, device, dtype: torch.dtype) -> KimiVisionMod
 
 
 @torch.no_grad()
-def _fill(model: KimiVisionModel, tensors, cfg: VisionConfig, device) -> KimiVisionModel:
+def _fill(model: KimiVisionModel, tensors) -> KimiVisionModel:
     """Copy (key, tensor) pairs into the allocated model (casting), then rebuild buffers."""
     params = model.state_dict()
     seen = set()
@@ -156,14 +157,8 @@ def _fill(model: KimiVisionModel, tensors, cfg: VisionConfig, device) -> KimiVis
         params[key].copy_(tensor)
         seen.add(key)
     assert seen == set(params), sorted(set(params) ^ seen)
-    _reset_buffers(model, cfg, device)
+    model.vision_tower.patch_embed.pos_emb.reset_buffers()  # not in the checkpoint
     return model.eval()
-
-
-def _reset_buffers(model: KimiVisionModel, cfg: VisionConfig, device) -> None:
-    """Non-persistent buffers are not in the checkpoint; rebuild them after to_empty."""
-    pos = model.vision_tower.patch_embed.pos_emb
-    pos.time_weight = _sincos_table(cfg.hidden_size, cfg.pos_emb_time).to(device)
 
 
 def write_checkpoint(
@@ -173,6 +168,7 @@ def write_checkpoint(
     preprocessor_config.json and model.safetensors (float32, checkpoint key names)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.contiguous() for k, v in random_state_dict(vision, seed).items()}
     model_type = "kimi_k3" if vision.variant == "k3" else "kimi_k25"
     config = {
         "architectures": [
@@ -181,7 +177,7 @@ def write_checkpoint(
             else "KimiK25ForConditionalGeneration"
         ],
         "model_type": model_type,
-        "dtype": "float32",
+        "dtype": dtype_name(next(iter(tensors.values())).dtype),
         "text_config": {"hidden_size": vision.text_hidden_size},
         "vision_config": vision.to_checkpoint_config(),
     }
@@ -190,6 +186,5 @@ def write_checkpoint(
     (out / "preprocessor_config.json").write_text(
         json.dumps({"media_proc_cfg": media}, indent=2) + "\n"
     )
-    tensors = {k: v.contiguous() for k, v in random_state_dict(vision, seed).items()}
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt", "seed": str(seed)})
     return out

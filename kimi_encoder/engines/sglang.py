@@ -32,7 +32,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from ..features import STORAGE, check_dtype, dtype_name, to_numpy, torch_dtype
+from ..features import FEATURE_DTYPES, STORAGE, check_dtype, dtype_name, to_numpy, torch_dtype
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
 from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
@@ -59,7 +59,7 @@ ITEM_KEYS = ("url", "content_hash")
 IGNORED_ITEM_KEYS = ("detail", "max_dynamic_patch", "max_long_side_pixel", "preprocess_kwargs")
 CONTENT_HASH_PREFIX = "sha256:"
 
-FEATURE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+TORCH_DTYPES = tuple(torch_dtype(name) for name in FEATURE_DTYPES)
 # Globals frame 0 may contain: our two classes, the feature dtypes, and the
 # int64 tensor type that rebuilds the grid from its rows. All are on 0.5.23's
 # allow-list (``SafeUnpickler.ALLOWED_GLOBALS``).
@@ -67,7 +67,7 @@ FRAME0_GLOBALS = frozenset(
     {
         EMBEDDING_DATA,
         MODALITY,
-        *(("torch", str(dtype).removeprefix("torch.")) for dtype in FEATURE_DTYPES),
+        *(("torch", name) for name in FEATURE_DTYPES),
         ("torch", "LongTensor"),
     }
 )
@@ -286,10 +286,10 @@ def embedding_frames(
     is each image's uploaded ``(width, height)``, which K3's prefill writes into
     the prompt. Frame 1 shares ``features``' memory: leave them unchanged.
     """
-    if features.ndim != 2 or features.shape[0] < 1 or features.dtype not in FEATURE_DTYPES:
+    if features.ndim != 2 or features.shape[0] < 1 or features.dtype not in TORCH_DTYPES:
         raise ValueError(
             f"features must be a non-empty (tokens, hidden) tensor of "
-            f"{[str(d) for d in FEATURE_DTYPES]}, got {tuple(features.shape)} {features.dtype}."
+            f"{[str(d) for d in TORCH_DTYPES]}, got {tuple(features.shape)} {features.dtype}."
         )
     rows = to_numpy(features.detach().cpu())
     return stored_embedding_frames(req, rows, dtype_name(features.dtype), grids, original_sizes)
