@@ -21,8 +21,8 @@ to it on the copy thread, and what it returns (the rank: a handle to the feature
 written once into Ray's object store) is what the cache keeps and every call gets,
 so a cache hit moves no feature byte on the rank at all.
 
-Cache: keys are ``kimi_encoder.cache.item_key`` with the weights' SHA-256
-fingerprint, the model dtype and the feature dtype; a hit skips everything. An
+Cache: keys are ``kimi_encoder.cache.item_key`` of the model's name, its dtype and
+the feature dtype, the ingress's keys of the same image; a hit skips everything. An
 image already queued or running for another call is awaited, not encoded again.
 An image the ingress sent by digest (``EncoderItem.by_digest``: it expected a hit,
 so the file bytes stayed behind) that is neither cached nor in flight is answered
@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
+from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.features import check_dtype, dtype_name, torch_dtype
@@ -177,7 +177,6 @@ class RankBatcher:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._deliveries: set[asyncio.Task] = set()
         self.cache = FeatureCache(config.cache_bytes)
-        self.fingerprint = weights_fingerprint(encoder.model)
         self.model_dtype = dtype_name(encoder.dtype)
         self.cost_model, self.calibration = self._calibrate(config.calibration_grids)
         self.counters = BatchCounters()
@@ -257,7 +256,7 @@ class RankBatcher:
     def _key(self, item: EncoderItem, dtype: str) -> str | None:
         if not self.cache.max_bytes:
             return None
-        return item_key(item, self.fingerprint, f"{self.model_dtype}->{dtype}")
+        return item_key(item, self.encoder.name, self.model_dtype, dtype)
 
     def _abandon(self, entries: list[_Queued]) -> None:
         """A call went away: take back its images that nobody else awaits and whose forward

@@ -153,9 +153,9 @@ class Dispatcher:
         return rank_loads(self._own, self._reports, self.caller, self.cost_model)
 
     def keys(self, items: Sequence[EncoderItem], feature_dtype: str) -> list[str]:
-        """Each item's feature-cache key, as the ranks' caches key its features in
-        ``feature_dtype`` (``kimi_encoder.cache.item_key``)."""
-        return [item_key(item, self.model_name, f"{self.dtype}->{feature_dtype}") for item in items]
+        """Each item's feature-cache key: the key its owner rank's cache keeps its features
+        in ``feature_dtype`` under (``kimi_encoder.cache.item_key``)."""
+        return [item_key(item, self.model_name, self.dtype, feature_dtype) for item in items]
 
     def plan(
         self,

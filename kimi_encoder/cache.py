@@ -1,14 +1,16 @@
 """Feature cache: full-length content keys and a byte-bounded LRU.
 
-A key covers everything that changes an item's features: the model's weight
-fingerprint, the dtype, the item's grid, and either the original file bytes
-(as their SHA-256, computed once per item and carried with it from the ingress
-to the rank; all a rank gets of an image its cache holds) with the whole
-deferred-preprocessing record (backend, normalization, background, resize) and
-the image size, or the pixel tensor's dtype, shape and bytes. Fields are
-length-prefixed before hashing, so no two different inputs share a byte stream;
-the digest is the full SHA-256, never truncated and never Python's per-process
-``hash()``.
+``item_key`` is the one key of an image's features, wherever they are kept or
+looked for: the ranks' caches, the ingress's cache and its record of which rank
+holds what. It covers everything that changes an item's features: the model (its
+name), the dtype it computes in and the dtype the features are delivered in, the
+item's grid, and either the original file bytes (as their SHA-256, computed once
+per item and carried with it from the ingress to the rank; all a rank gets of an
+image its cache holds) with the whole deferred-preprocessing record (backend,
+normalization, background, resize) and the image size, or the pixel tensor's
+dtype, shape and bytes. Fields are length-prefixed before hashing, so no two
+different inputs share a byte stream; the digest is the full SHA-256, never
+truncated and never Python's per-process ``hash()``.
 """
 
 from __future__ import annotations
@@ -31,22 +33,14 @@ def _field(h, tag: str, payload: bytes) -> None:
     h.update(payload)
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter's name, dtype, shape and bytes."""
+def item_key(item: EncoderItem, model: str, model_dtype: str, feature_dtype: str) -> str:
+    """Full-length hex digest identifying the features of ``item`` encoded by ``model``
+    (its name, as ``config.resolve_configs`` gives it) computing in ``model_dtype`` and
+    delivered in ``feature_dtype``."""
     h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        t = tensor.detach().contiguous().cpu()
-        _field(h, "name", name.encode())
-        _field(h, "meta", f"{t.dtype}{tuple(t.shape)}".encode())
-        _field(h, "data", t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def item_key(item: EncoderItem, model_id: str, dtype: str) -> str:
-    """Full-length hex digest identifying the features of ``item`` under this model."""
-    h = hashlib.sha256()
-    _field(h, "model", model_id.encode())
-    _field(h, "dtype", dtype.encode())
+    _field(h, "model", model.encode())
+    _field(h, "model-dtype", model_dtype.encode())
+    _field(h, "feature-dtype", feature_dtype.encode())
     _field(h, "grid", json.dumps(item.grid_thws.tolist()).encode())
     if item.pixel_values is not None:
         pixels = item.pixel_values.detach().contiguous().cpu()

@@ -1,5 +1,6 @@
 """Feature cache keys cover everything that changes features; the LRU is bounded in bytes."""
 
+import asyncio
 import dataclasses
 import pickle
 
@@ -8,8 +9,10 @@ import pytest
 import torch
 from images import gray_png
 
-from kimi_encoder.cache import FeatureCache, item_key, weights_fingerprint
-from kimi_encoder.config import get_preset
+from deployments.batcher import BatchingConfig, RankBatcher
+from deployments.dispatch import Dispatcher
+from kimi_encoder.cache import FeatureCache, item_key
+from kimi_encoder.config import get_preset, resolve_configs
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.items import EncoderItem, plan_image
 
@@ -25,24 +28,24 @@ def test_transposed_shapes_same_bytes_differ(encoder):
     raw = np.random.default_rng(0).integers(0, 256, 30 * 150, dtype=np.uint8).tobytes()
     a = plan_image(gray_png(raw, (30, 150)), TINY, "cpu")
     b = plan_image(gray_png(raw, (150, 30)), TINY, "cpu")
-    assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
+    assert item_key(a, "m", "float32", "float32") != item_key(b, "m", "float32", "float32")
     fa, fb = encoder.encode([a, b])
     assert fa.shape != fb.shape or not torch.equal(fa, fb)
 
 
 def test_key_follows_replaced_image_bytes():
     a = plan_image(gray_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
-    key = item_key(a, "m", "float32")  # computes and keeps a's image digest
+    key = item_key(a, "m", "float32", "float32")  # computes and keeps a's image digest
     b = dataclasses.replace(a, image=gray_png(bytes(range(255, -1, -1)) * 4, (32, 32)))
-    assert item_key(b, "m", "float32") != key
-    assert item_key(pickle.loads(pickle.dumps(a)), "m", "float32") == key
+    assert item_key(b, "m", "float32", "float32") != key
+    assert item_key(pickle.loads(pickle.dumps(a)), "m", "float32", "float32") == key
 
 
 def test_pixel_tensor_shape_is_part_of_key():
     pixels = torch.randn(8, 3, 14, 14)
     a = EncoderItem(torch.tensor([[1, 2, 4]]), pixel_values=pixels)
     b = EncoderItem(torch.tensor([[1, 4, 2]]), pixel_values=pixels)
-    assert item_key(a, "m", "float32") != item_key(b, "m", "float32")
+    assert item_key(a, "m", "float32", "float32") != item_key(b, "m", "float32", "float32")
 
 
 @pytest.mark.parametrize(
@@ -59,23 +62,36 @@ def test_pixel_tensor_shape_is_part_of_key():
 def test_preprocessing_config_changes_key(change):
     item = plan_image(gray_png(bytes(range(256)) * 4, (32, 32)), TINY, "cpu")
     other = dataclasses.replace(item, deferred=dataclasses.replace(item.deferred, **change))
-    assert item_key(item, "m", "float32") != item_key(other, "m", "float32")
+    assert item_key(item, "m", "float32", "float32") != item_key(other, "m", "float32", "float32")
 
 
-def test_model_and_dtype_change_key():
+def test_model_and_dtypes_change_key():
     item = plan_image(gray_png(bytes(1024), (32, 32)), TINY, "cpu")
-    keys = {item_key(item, m, d) for m in ("a", "b") for d in ("float32", "bfloat16")}
-    assert len(keys) == 4
+    dtypes = ("float32", "bfloat16")
+    keys = {item_key(item, m, d, f) for m in ("a", "b") for d in dtypes for f in dtypes}
+    assert len(keys) == 8
     assert all(len(k) == 64 for k in keys)  # full SHA-256
 
 
-def test_weights_fingerprint_sees_one_changed_value():
-    a = VisionEncoder.from_pretrained("tiny", device="cpu", seed=0).model
-    b = VisionEncoder.from_pretrained("tiny", device="cpu", seed=0).model
-    assert weights_fingerprint(a) == weights_fingerprint(b)
-    with torch.no_grad():
-        b.mm_projector.post_norm.weight[0] += 1e-6
-    assert weights_fingerprint(a) != weights_fingerprint(b)
+@pytest.mark.parametrize("feature_dtype", ["float32", "bfloat16"])
+def test_the_ingress_and_the_rank_key_an_image_alike(encoder, feature_dtype):
+    """The ingress's keys (cache affinity, its own cache) are the keys the rank's cache
+    keeps the same images' features under."""
+    images = [gray_png(bytes(range(i, 256)) * 4, (30, 30)) for i in range(3)]
+    rank = RankBatcher(encoder, BatchingConfig(cache_bytes=1 << 20, calibration_grids=()), 1)
+    asyncio.run(rank.encode([encoder.plan(image) for image in images], "c", feature_dtype))
+    ingress = Dispatcher(
+        1,
+        model_name=resolve_configs("tiny")[2],
+        dtype="float32",
+        cost_model="patches",
+        report_interval_ms=50,
+        affinity_tolerance=0.25,
+        cache_enabled=True,
+    )
+    keys = ingress.keys([plan_image(image, TINY, "cpu") for image in images], feature_dtype)
+    assert rank.cache.stats.entries == 3
+    assert all(key in rank.cache for key in keys)
 
 
 def test_lru_bounded_in_bytes():
