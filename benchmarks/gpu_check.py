@@ -1147,7 +1147,7 @@ async def closed_loop(
             item = encoder.plan(images[turn % len(images)])
             turn += concurrency
             sent = time.perf_counter()
-            results, stage_ms = await batcher.encode([item], caller=f"client-{index}")
+            results, stage_ms = await batcher.encode([item], f"client-{index}", batcher.model_dtype)
             if isinstance(results[0], BaseException):
                 errors.append(f"{type(results[0]).__name__}: {results[0]}")
             if record:

@@ -51,7 +51,7 @@ import torch
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.features import check_dtype, dtype_name, torch_dtype
+from kimi_encoder.features import dtype_name, torch_dtype
 from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
@@ -195,13 +195,12 @@ class RankBatcher:
         return model, {"grids": list(grids), "fit_s": round(time.perf_counter() - started, 3)}
 
     async def encode(
-        self, items: Sequence[EncoderItem], caller: str, feature_dtype: str | None = None
+        self, items: Sequence[EncoderItem], caller: str, feature_dtype: str
     ) -> tuple[list, dict[str, float]]:
-        """Features of ``items`` in order (CPU tensors of ``feature_dtype``, the model's by
-        default, or what ``keep`` made of them; ``NOT_CACHED``; or an item's exception), and
-        this call's stage milliseconds: queue_wait, preprocess, forward (of the batches its
-        images were in)."""
-        dtype = check_dtype(feature_dtype or self.model_dtype)
+        """Features of ``items`` in order (CPU tensors of ``feature_dtype``, as admission
+        chose and checked it, or what ``keep`` made of them; ``NOT_CACHED``; or an item's
+        exception), and this call's stage milliseconds: queue_wait, preprocess, forward
+        (of the batches its images were in)."""
         self._start()
         self.counters.calls += 1
         call = self.counters.calls
@@ -212,7 +211,7 @@ class RankBatcher:
         queued: list[_Queued] = []  # entries this call queued
         loop = asyncio.get_running_loop()
         for item in items:
-            key = self._key(item, dtype)
+            key = self._key(item, feature_dtype)
             hit = self.cache.get(key) if key is not None else None
             self.counters.by_digest += int(item.sent_by_digest)
             if hit is not None:
@@ -233,7 +232,8 @@ class RankBatcher:
                 futures.append(done)
             else:
                 entry = _Queued(
-                    item, key, dtype, caller, call, loop.create_future(), time.perf_counter(),
+                    item, key, feature_dtype, caller, call, loop.create_future(),
+                    time.perf_counter(),
                     host=self._decode_pool.submit(_timed, self.encoder.prepare, item),
                 )  # fmt: skip
                 if key is not None:

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.features import check_dtype, dtype_name, to_numpy
+from kimi_encoder.features import dtype_name, to_numpy
 from kimi_encoder.items import EncoderItem
 
 from .args import AppArgs
@@ -117,13 +117,13 @@ class EncoderRank:
         self,
         indices: Sequence[int],
         items: Sequence[EncoderItem],
+        feature_dtype: str,
         sent_at: float | None = None,
         caller: str = "",
-        feature_dtype: str | None = None,
     ) -> dict:
         """Features of ``items``: one array per item (or its object-store ref, with the
-        cache on), in input order, in ``feature_dtype`` (the model's by default; bfloat16
-        as uint16 words, see ``kimi_encoder.features``).
+        cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
+        answered with them; bfloat16 as uint16 words, see ``kimi_encoder.features``).
 
         ``indices`` are the request's item indices, used only to name a bad item;
         ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
@@ -174,7 +174,7 @@ class EncoderRank:
         return {
             "rank": self.rank,
             "features": features,
-            "dtype": check_dtype(feature_dtype or self.batcher.model_dtype),
+            "dtype": feature_dtype,
             "missing": missing,
             "encode_ms": (time.perf_counter() - started) * 1e3,
             "stages_ms": stages,

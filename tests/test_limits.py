@@ -19,8 +19,9 @@ import pytest
 from images import chunk, deflated_zeros, ico_bomb, image_bytes, make_image, png_claiming
 from PIL import Image
 from pydantic import ValidationError
+from starlette.requests import Request
 
-from deployments.admission import Admission, read_body
+from deployments.admission import Admission, FormError, read_body, replay
 from deployments.args import AppArgs
 from deployments.schemas import EncodeRequest
 from deployments.security import ENV_VAR, ApiKey
@@ -242,6 +243,39 @@ def test_schema_refuses_non_integers_and_huge_shapes(item, match):
     """422: a bool or float is no grid value; 2**62 rows would wrap the byte count."""
     with pytest.raises(ValidationError, match=match):
         EncodeRequest.model_validate({"items": [item]})
+
+
+def _form_request(fields: dict[str, bytes]) -> Request:
+    """A multipart ``POST /v1/encode`` request of ``fields`` (``image`` sent as a file)."""
+    boundary = "b0undary"
+    parts = []
+    for name, value in fields.items():
+        filename = '; filename="a.png"' if name == "image" else ""
+        head = f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{filename}\r\n\r\n'
+        parts.append(head.encode() + value + b"\r\n")
+    body = b"".join(parts) + f"--{boundary}--\r\n".encode()
+    headers = [(b"content-type", f"multipart/form-data; boundary={boundary}".encode())]
+    scope = {"type": "http", "method": "POST", "path": "/v1/encode", "headers": headers}
+    return Request(scope, replay(body))
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float64", "FLOAT32"])
+def test_a_feature_dtype_is_checked_at_admission(dtype):
+    """Admission is where a feature dtype is refused (JSON 422, multipart 422), naming the
+    allowed ones; past it the rank and its batcher take it as given."""
+    with pytest.raises(
+        ValidationError, match=r"feature_dtype\n  Input should be 'float32', 'bfloat16' or"
+    ):
+        EncodeRequest.model_validate(
+            {"items": [{"type": "image", "image": "x"}], "feature_dtype": dtype}
+        )
+    form = {"image": image_bytes("RGB", (8, 8)), "feature_dtype": dtype.encode()}
+    with pytest.raises(
+        FormError, match=f"feature_dtype '{dtype}' is not one of 'float32', 'bfloat16', 'float16'"
+    ):
+        asyncio.run(ADMISSION.admit(_form_request(form)))
+    admitted = asyncio.run(ADMISSION.admit(_form_request({**form, "feature_dtype": b"float16"})))
+    assert admitted.feature_dtype == "float16"
 
 
 def test_renamed_file_is_judged_by_its_bytes():
