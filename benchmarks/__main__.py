@@ -12,18 +12,25 @@ import sys
 from . import (
     bench_assign,
     bench_bytes,
+    bench_bytes_haproxy,
+    bench_cache,
     bench_encoder,
     bench_handoff,
     bench_ingress,
+    bench_latency,
     bench_memory,
     bench_serve,
     bench_wire,
 )
 from .common import ROOT, DirtyTreeError, Run, arguments, document, with_load
 
+# In the page's order: each module's sections, numbered on.
 MODULES = (
     bench_serve,
+    bench_cache,
+    bench_latency,
     bench_bytes,
+    bench_bytes_haproxy,
     bench_handoff,
     bench_ingress,
     bench_assign,

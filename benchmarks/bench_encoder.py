@@ -11,7 +11,6 @@ transformers is installed), alternating the two.
 
 from __future__ import annotations
 
-import io
 import os
 import platform
 import sys
@@ -19,46 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 
 from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
 
-from .common import Section, arguments, ratio, spread, standalone, table
-
-# A fixed mix: photo-like RGB of several sizes, one RGBA, one palette image.
-MIX = [
-    ("RGB", (640, 480)),
-    ("RGB", (1024, 768)),
-    ("RGB", (320, 240)),
-    ("RGBA", (500, 500)),
-    ("P", (400, 300)),
-    ("RGB", (1920, 1080)),
-    ("L", (256, 256)),
-    ("RGB", (800, 200)),
-]
-
-
-def make_mix(seed: int = 0) -> list[bytes]:
-    rng = np.random.default_rng(seed)
-    out = []
-    for mode, (w, h) in MIX:
-        yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) % 256, 255 - xx * 255 // w], -1)
-        noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
-        img = Image.fromarray(noisy, "RGBA")
-        img = img if mode == "RGBA" else img.convert("RGB")
-        if mode == "P":
-            img = img.quantize(64)
-        elif mode == "L":
-            img = img.convert("L")
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        out.append(buf.getvalue())
-    return out
+from .common import MODE_MIX, Section, arguments, mode_mix, ratio, spread, standalone, table
 
 
 def timed(fn, seconds: float) -> tuple[float, int]:
@@ -153,10 +119,10 @@ def _rates(images: int, patches: int, times: list[float]) -> list[str]:
 
 def sections(quick: bool) -> list[Section]:
     torch.set_num_threads(1)
-    count = 4 if quick else len(MIX)  # quick: without the 1920x1080 image
+    count = 4 if quick else len(MODE_MIX)  # quick: without the 1920x1080 image
     rounds = 3 if quick else 5
-    rows, note = bench_transformers(make_mix()[:count], rounds)
-    mix = ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX[:count])
+    rows, note = bench_transformers(mode_mix()[:count], rounds)
+    mix = ", ".join(f"{m} {w}x{h}" for m, (w, h) in MODE_MIX[:count])
     conditions = (
         "k25-mid (K2.5 layout, 6 layers, width 384, seeded weights), one torch thread, the "
         f"batch {mix} in one varlen forward; {rounds} rounds alternating ours and "
@@ -189,14 +155,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.doc:
         return standalone(__doc__, lambda a: sections(a.quick), argv, parser)
     torch.set_num_threads(args.threads)
-    images = make_mix()
+    images = mode_mix()
     print(
         f"# machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
         f"torch {torch.__version__}, {args.threads} threads, CPU tensors"
     )
     print(
-        f"# image mix ({len(MIX)} images, one batch): "
-        + ", ".join(f"{m} {w}x{h}" for m, (w, h) in MIX)
+        f"# image mix ({len(MODE_MIX)} images, one batch): "
+        + ", ".join(f"{m} {w}x{h}" for m, (w, h) in MODE_MIX)
     )
     print("| preset | stage | images/s | patches/s | latency |")
     print("|---|---|---|---|---|")

@@ -12,106 +12,52 @@ replica answers on an HTTP server of its own that HAProxy forwards to: the answe
 goes from the replica to the socket with no Python proxy and no pickle.
 
 The variable is read once, when Serve starts, so the two ingresses run in two
-clusters, each in a process of its own, serving the same app as
-``bench_handoff`` (the tiny tower at Kimi-K3's width 7168, bfloat16, dp 2, the
-feature cache warmed): this process sends the same requests from the same
-clients to one and then the other, alternating windows, for both paths that
-carry features: ``/v1/encode`` safetensors answers and sglang hand-off parts
-(pushed over ZMQ to a PULL socket here; only the small ``/encode`` request and
-answer cross the ingress). Both clusters stay up throughout, so each window runs
-beside the other cluster's idle processes.
+clusters, each in a process of its own (``serving.Server``), serving the
+hand-off app of ``bench_handoff`` (``paths.deploy_handoff``: the tiny tower at
+Kimi-K3's width 7168, bfloat16, dp 2, the feature cache warmed): this process
+sends the same requests from the same clients to one and then the other,
+alternating windows, for both paths that carry features: ``/v1/encode``
+safetensors answers and sglang hand-off parts (pushed over ZMQ to a PULL socket
+here; only the small ``/encode`` request and answer cross the ingress). Both
+clusters stay up throughout, so each window runs beside the other cluster's idle
+processes.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 import zmq
 
-from . import bench_handoff
 from .common import Section, alternate, ratio, spread, standalone, table
-from .serving import Http, server_failed
-
-HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
-INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for each cluster
-START_TIMEOUT_S = 600
-
-
-def _serve(haproxy: str, logical_cpus: int, deploy: Callable, args: tuple, conn) -> None:
-    """A cluster of its own running ``deploy(cluster, *args)``; sends its port and what
-    ``deploy`` returned, then waits for any message and shuts down."""
-    os.environ[HAPROXY_ENV] = haproxy  # before Ray and Serve are imported and started
-    from .serving import Cluster
-
-    with Cluster(logical_cpus=logical_cpus) as cluster:
-        conn.send((cluster.port, deploy(cluster, *args)))
-        conn.recv()
-
-
-def deploy_handoff(cluster, checkpoint: str) -> str:
-    """``bench_handoff``'s app; its route prefix."""
-    from ray import serve
-
-    return bench_handoff.deploy(serve, Path(checkpoint))
-
-
-class Server:
-    """``_serve`` in a spawned process (a context manager): a cluster behind the ingress
-    ``haproxy`` names (``INGRESSES``' values) running ``deploy(cluster, *args)``, a
-    module-level function; once it serves, ``client`` posts to its port and ``deployed``
-    is what ``deploy`` returned."""
-
-    def __init__(self, haproxy: str, deploy: Callable, args: tuple, logical_cpus: int = 4):
-        context = mp.get_context("spawn")
-        self._conn, child = context.Pipe()
-        self.proc = context.Process(
-            target=_serve, args=(haproxy, logical_cpus, deploy, args, child)
-        )
-
-    def __enter__(self) -> Server:
-        self.proc.start()
-        if not self._conn.poll(START_TIMEOUT_S):
-            self.proc.kill()
-            raise RuntimeError(f"the app did not start within {START_TIMEOUT_S} s")
-        port, self.deployed = self._conn.recv()
-        self.client = Http(port)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._conn.send("stop")
-        self.proc.join(120)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join()
+from .paths import CLIENTS, SIDE, Sink, deploy_handoff_in, handoff, http_body, part_images, warm_up
+from .serving import INGRESSES, K3_WIDTH, Server, server_failed, wide_checkpoint
 
 
 def sections(quick: bool) -> list[Section]:
     window = 3.0 if quick else 6.0
     repeats = 3 if quick else 5
-    parts = bench_handoff.part_images()
+    parts = part_images()
     context = zmq.Context()
-    sink = bench_handoff.Sink(context)
+    sink = Sink(context)
     try:
         with tempfile.TemporaryDirectory() as tmp:
-            checkpoint = bench_handoff.write_wide_checkpoint(Path(tmp) / "wide")
+            checkpoint = wide_checkpoint(Path(tmp) / "wide", k3_preprocess=True)
             with (
-                Server(INGRESSES["Serve proxy"], deploy_handoff, (str(checkpoint),)) as proxy,
-                Server(INGRESSES["HAProxy"], deploy_handoff, (str(checkpoint),)) as haproxy,
+                Server(INGRESSES["Serve proxy"], deploy_handoff_in, (str(checkpoint),)) as proxy,
+                Server(INGRESSES["HAProxy"], deploy_handoff_in, (str(checkpoint),)) as haproxy,
             ):
                 servers = {"Serve proxy": proxy, "HAProxy": haproxy}
                 for server in servers.values():
-                    bench_handoff.warm_up(server.client, server.deployed, sink, parts)
+                    warm_up(server.client, server.deployed, sink, parts)
                 setups = {}
                 for name, server in servers.items():
-                    setups[("/v1/encode safetensors", name)] = lambda s=server: (
-                        bench_handoff.http_body(s.client, s.deployed, parts, window)
+                    setups[("/v1/encode safetensors", name)] = lambda s=server: http_body(
+                        s.client, s.deployed, parts, window
                     )
-                    setups[("hand-off parts", name)] = lambda s=server: bench_handoff.handoff(
+                    setups[("hand-off parts", name)] = lambda s=server: handoff(
                         s.client, f"{s.deployed}/encode", sink, parts, window
                     )
                 measured = alternate(setups, repeats, rerun_if=server_failed)
@@ -119,10 +65,10 @@ def sections(quick: bool) -> list[Section]:
         sink.close()
         context.term()
     note = (
-        f"The app of section 'Engine hand-off' (tiny tower, width {bench_handoff.WIDTH}, "
+        f"The app of section 'Engine hand-off' (tiny tower, width {K3_WIDTH}, "
         f"bfloat16, dp 2 on this machine's CPU, cache warmed), {len(parts[0])} JPEG images "
-        f"of {bench_handoff.SIDE}x{bench_handoff.SIDE} px per request or part, "
-        f"{bench_handoff.CLIENTS} clients, closed loop; two clusters, one per ingress, both "
+        f"of {SIDE}x{SIDE} px per request or part, "
+        f"{CLIENTS} clients, closed loop; two clusters, one per ingress, both "
         f"up throughout; {window:g} s per window, {repeats} repeats alternating the four "
         "cells: median (min–max). MB/s counts feature bytes."
     )

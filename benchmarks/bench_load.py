@@ -29,7 +29,6 @@ import argparse
 import base64
 import concurrent.futures as cf
 import hashlib
-import io
 import json
 import random
 import sys
@@ -39,10 +38,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import requests
 import torch
-from PIL import Image
 from safetensors.numpy import load as load_safetensors
 
 from kimi_encoder.encoder import VisionEncoder
+
+from .common import image
+from .serving import app_args, bind, free_port
 
 # (width, height): tiny thumbnails to the tiny preset's largest (it scales 500x375 down).
 SIZES = [(28, 28), (64, 48), (100, 37), (128, 96), (224, 224), (320, 240), (500, 375)]
@@ -51,17 +52,6 @@ MAX_IMAGES = 4
 MAX_RETRIES = 20
 DIGITS = 4  # digest precision (features are O(1); batching differs below 1e-5)
 ATOL = 1e-5
-
-
-def image(width: int, height: int, seed: int) -> bytes:
-    """A seeded PNG: gradients plus noise."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx * 255 // width, yy * 255 // height, (xx + yy) % 256], -1)
-    noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(noisy, "RGB").save(out, "PNG")
-    return out.getvalue()
 
 
 def catalog(count: int = CATALOG, seed: int = 0) -> list[bytes]:
@@ -250,21 +240,14 @@ def run_load(
 
 def _local_app(dp: int) -> str:
     """Start a one-machine Ray cluster and a dp-``dp`` app on a free loopback port."""
-    import socket
-
     import ray
     from ray import serve
 
-    from deployments.app import bind_app
-    from deployments.args import AppArgs
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    args = AppArgs(dp_size=dp, device="cpu", preprocess_backend="cpu")
-    serve.run(bind_app(args), name="load", route_prefix="/")
+    args = app_args(dp_size=dp, device="cpu", preprocess_backend="cpu")
+    serve.run(bind(args), name="load", route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
 

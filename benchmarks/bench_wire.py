@@ -13,8 +13,8 @@ keep freed buffers (``mallopt``) and each path runs once before the clock, as a
 long-running ingress does once it has freed a body under glibc's 32 MB mmap
 threshold. Otherwise each body's fresh pages arrive as 2 MB transparent huge
 pages or as 4 KB page faults depending on the machine's memory state, and that
-alone moved the safetensors figure from 7.2x to 2.0x between two back-to-back
-runs; the page faults cost every path the same per byte and are not assembly.
+alone swung the figures between back-to-back runs; the page faults cost every
+path the same per byte and are not assembly.
 """
 
 from __future__ import annotations

@@ -307,6 +307,46 @@ def image(width: int, height: int, seed: int) -> bytes:
     return out.getvalue()
 
 
+def jpeg(side: int, seed: int) -> bytes:
+    """A seeded square photo-like image as a JPEG (quality 90), as clients send photos."""
+    out = io.BytesIO()
+    Image.open(io.BytesIO(image(side, side, seed))).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+# A fixed mix for the tower: photo-like RGB of several sizes, one RGBA, one palette image.
+MODE_MIX = [
+    ("RGB", (640, 480)),
+    ("RGB", (1024, 768)),
+    ("RGB", (320, 240)),
+    ("RGBA", (500, 500)),
+    ("P", (400, 300)),
+    ("RGB", (1920, 1080)),
+    ("L", (256, 256)),
+    ("RGB", (800, 200)),
+]
+
+
+def mode_mix(seed: int = 0) -> list[bytes]:
+    """``MODE_MIX`` as seeded PNGs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for mode, (w, h) in MODE_MIX:
+        yy, xx = np.mgrid[0:h, 0:w]
+        base = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) % 256, 255 - xx * 255 // w], -1)
+        noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
+        img = Image.fromarray(noisy, "RGBA")
+        img = img if mode == "RGBA" else img.convert("RGB")
+        if mode == "P":
+            img = img.quantize(64)
+        elif mode == "L":
+            img = img.convert("L")
+        buf = io.BytesIO()
+        img.save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
 def save_plot(fig, name: str) -> str:
     FIGURES.mkdir(parents=True, exist_ok=True)
     path = FIGURES / name

@@ -1,4 +1,5 @@
-"""Where the CPU goes: CPU time of each process of a benchmark over a window (psutil).
+"""Where the CPU goes: CPU time of each process of a benchmark over a window (psutil),
+and the per-image, per-request and per-core figures the serving benchmarks derive from it.
 
 The processes are this one (the benchmark's clients) and its descendants: the
 Ray processes ``ray.init`` started here and anything the benchmark spawned.
@@ -7,17 +8,24 @@ what the machine spent beyond ours is reported as "outside".
 
 Ray names its workers in their command lines (``/proc/<pid>/cmdline``):
 ``ray::ServeReplica:<app>:<deployment>`` for a replica, ``ray::ServeController``,
-``ray::ProxyActor``; ``role`` turns those into the labels of the tables.
+``ray::ProxyActor``; ``role`` turns those into roles, and ``labeller`` turns the
+replicas of the app a window measured into the rows of the tables (ingress,
+rank r, other apps' replicas).
+
+A window is a ``serving.Window``: its ``usage`` (a ``Usage``), its rates and
+``cpu_ms_per_image``.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import psutil
+
+from .common import Spread, spread
 
 CLIENT = "client (this process)"
 PROXY = "Serve proxy"
@@ -25,6 +33,11 @@ HAPROXY = "HAProxy"
 CONTROLLER = "Serve controller"
 RAY_SYSTEM = "Ray system (gcs, raylet, agents)"
 OTHER_CHILD = "other child processes"
+# Labels of a window's processes as the tables show them (``labeller``).
+INGRESS = "ingress"
+OTHER_APPS = "other apps' replicas (idle)"
+OUTSIDE = "outside (other users, kernel)"
+AROUND = (INGRESS, PROXY, CONTROLLER, CLIENT, RAY_SYSTEM, OTHER_APPS)
 
 
 def role(cmdline: str) -> str:
@@ -134,3 +147,65 @@ def usage(before: Snapshot, after: Snapshot) -> Usage:
         machine_busy_s=after.machine_busy - before.machine_busy,
         steal_s=after.steal - before.steal,
     )
+
+
+# --- a window's CPU by table row ------------------------------------------------------
+
+
+def labeller(app: str) -> Callable[[str], str]:
+    """Table label of a role during a window of ``app``: its ranks by number, its other
+    deployments as the ingress, other apps' replicas together."""
+
+    def label(role: str) -> str:
+        if not role.startswith("replica "):
+            return role
+        owner, _, deployment = role.removeprefix("replica ").partition(":")
+        if owner != app:
+            return OTHER_APPS
+        if deployment.startswith("EncoderRank_"):
+            return "rank " + deployment.removeprefix("EncoderRank_")
+        return INGRESS
+
+    return label
+
+
+def cpu_ms(windows: Sequence, app: str) -> dict[str, Spread]:
+    """CPU-ms per image answered, by label (and 'outside'), over the repeats; labels that
+    spent nothing are left out."""
+    per: dict[str, list[float]] = {}
+    for w in windows:
+        grouped = w.usage.grouped(labeller(app)) | {OUTSIDE: w.usage.outside_s}
+        for name, seconds in grouped.items():
+            per.setdefault(name, []).append(w.cpu_ms_per_image(seconds))
+    return {
+        name: spread(v + [0.0] * (len(windows) - len(v)))
+        for name, v in per.items()
+        if max(v) >= 0.05
+    }
+
+
+def cores(windows: Sequence, app: str, name: str) -> Spread:
+    """Cores ``name`` kept busy on average in each window."""
+    return spread([w.usage.cores(w.usage.grouped(labeller(app)).get(name, 0.0)) for w in windows])
+
+
+def bound(w, app: str, machine_cores: int, without_client: bool = False) -> float:
+    """The highest rate the window's CPU use allows: each rank at most one core, all of
+    ours within the cores the outside load left. Every process's CPU per image is taken
+    as measured; ``without_client``: the client's CPU is not ours (it runs elsewhere)."""
+    grouped = w.usage.grouped(labeller(app))
+    ranks = [v for k, v in grouped.items() if k.startswith("rank ")]
+    ours = w.usage.ours_s - (grouped.get(CLIENT, 0.0) if without_client else 0.0)
+    left = machine_cores * w.usage.wall_s - w.usage.outside_s
+    rank_bound = w.images_per_s * w.usage.wall_s / max(ranks)
+    return min(rank_bound, w.images_per_s * left / ours)
+
+
+def request_cpu_ms(w, app: str) -> float:
+    """CPU-ms per request where a request of ``app`` passes: its replicas, Serve's proxy
+    (or HAProxy) and Ray's system processes (not the client, the controller or other
+    apps' replicas)."""
+    grouped = w.usage.grouped(labeller(app))
+    skip = (CLIENT, CONTROLLER, OTHER_CHILD, OTHER_APPS)
+    spent = sum(seconds for role, seconds in grouped.items() if role not in skip)
+    return spent * 1e3 / (w.requests_per_s * w.usage.wall_s)

@@ -29,10 +29,28 @@ import tempfile
 import time
 from pathlib import Path
 
-from .bench_encoder import make_mix
-from .bench_serve import CLIENTS, PER_REQUEST, Encode, request_stream
-from .common import ROOT, Section, alternate, arguments, git, ratio, spread, standalone, table
-from .serving import Http, HttpError, closed_loop, free_port
+from .common import (
+    ROOT,
+    Section,
+    alternate,
+    arguments,
+    git,
+    mode_mix,
+    ratio,
+    spread,
+    standalone,
+    table,
+)
+from .serving import (
+    CLIENTS,
+    PER_REQUEST,
+    Encode,
+    Http,
+    HttpError,
+    closed_loop,
+    free_port,
+    request_stream,
+)
 
 # Runs inside the revision's tree: argv = checkpoint, images folder, seconds.
 TOWER = """
@@ -159,7 +177,7 @@ def compare(base: str, head: str, checkpoint: str, repeats: int, seconds: float,
         revisions = [Revision(rev, Path(tmp) / name) for name, rev in (("a", base), ("b", head))]
         images = Path(tmp) / "mix"
         images.mkdir()
-        mix = make_mix()
+        mix = mode_mix()
         for i, data in enumerate(mix):
             (images / f"{i}.png").write_bytes(data)
         stream = request_stream(requests)

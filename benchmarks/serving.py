@@ -1,5 +1,10 @@
-"""Served benchmarks' harness: a one-machine Ray Serve cluster, apps on it, lean HTTP
-clients and closed-loop windows with CPU accounting.
+"""Served benchmarks' harness: one-machine Ray Serve clusters, the apps on them, lean
+HTTP clients and closed-loop windows with CPU accounting.
+
+A cluster runs in this process (``Cluster``) or, behind the ingress a benchmark
+picks (Serve's proxy or HAProxy, read once when Serve starts), in a process of
+its own (``Server``). Every app's ``AppArgs`` is built by ``app_args``, the one
+place that knows their shape; ``bench_args`` adds the benchmarks' defaults.
 
 Throughput of a closed loop (``clients`` senders, each sending its next request
 as soon as the last one is answered) is measured over a window that starts once
@@ -13,14 +18,20 @@ request is a socket write and a read.
 
 from __future__ import annotations
 
+import base64
 import http.client
+import json
+import multiprocessing as mp
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import cpu
+from .common import image
 
 # Fast teardown of apps: nothing is in flight when the benchmark deletes one.
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 1}
@@ -34,12 +45,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def app_args(checkpoint: str, dp: int, **fields):
-    """``AppArgs`` of a benchmark app: CPU ranks with one torch thread each (one logical
-    CPU reserved), unbounded queues, no request timeout in practice, ``fields`` on top."""
+def app_args(**fields):
+    """``AppArgs`` of ``fields`` (the flat names of a config's ``args:`` block): every
+    benchmark builds its apps' arguments here."""
     from deployments.args import AppArgs
 
-    return AppArgs(
+    return AppArgs(**fields)
+
+
+def bench_args(checkpoint: str, dp: int, **fields):
+    """``AppArgs`` of a benchmark app: CPU ranks with one torch thread each (one logical
+    CPU reserved), unbounded queues, no request timeout in practice, ``fields`` on top."""
+    return app_args(
         **{
             "checkpoint": checkpoint,
             "dp_size": dp,
@@ -52,6 +69,31 @@ def app_args(checkpoint: str, dp: int, **fields):
             **fields,
         }
     )
+
+
+def bind(args):
+    """The application ``build_app`` makes of ``args``, ready for ``serve.run``."""
+    from deployments.app import bind_app
+
+    return bind_app(args)
+
+
+K3_WIDTH = 7168  # Kimi-K3's text_hidden_size: the features' width per token
+
+
+def wide_checkpoint(folder: Path, k3_preprocess: bool = False, width: int = K3_WIDTH) -> Path:
+    """The tiny tower with a ``width``-wide projector output and seeded weights, written
+    with the library: cheap compute, production-sized features. Its preprocessing is the
+    tiny preset's, or K3's with ``k3_preprocess``."""
+    import dataclasses
+
+    from kimi_encoder.config import PreprocessConfig, get_preset
+    from kimi_encoder.weights import write_checkpoint
+
+    tiny = get_preset("tiny")
+    vision = dataclasses.replace(tiny.vision, text_hidden_size=width)
+    preprocess = PreprocessConfig() if k3_preprocess else tiny.preprocess
+    return write_checkpoint(folder, vision, preprocess, seed=0)
 
 
 class Cluster:
@@ -97,6 +139,50 @@ class Cluster:
 
         serve.shutdown()
         ray.shutdown()
+
+
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+INGRESSES = {"Serve proxy": "0", "HAProxy": "1"}  # the variable's value for each cluster
+START_TIMEOUT_S = 600
+
+
+def _serve(haproxy: str, logical_cpus: int, deploy: Callable, args: tuple, conn) -> None:
+    """A cluster of its own running ``deploy(cluster, *args)``; sends its port and what
+    ``deploy`` returned, then waits for any message and shuts down."""
+    os.environ[HAPROXY_ENV] = haproxy  # before Ray and Serve are imported and started
+    with Cluster(logical_cpus=logical_cpus) as cluster:
+        conn.send((cluster.port, deploy(cluster, *args)))
+        conn.recv()
+
+
+class Server:
+    """``_serve`` in a spawned process (a context manager): a cluster behind the ingress
+    ``haproxy`` names (``INGRESSES``' values) running ``deploy(cluster, *args)``, a
+    module-level function; once it serves, ``client`` posts to its port and ``deployed``
+    is what ``deploy`` returned."""
+
+    def __init__(self, haproxy: str, deploy: Callable, args: tuple, logical_cpus: int = 4):
+        context = mp.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self.proc = context.Process(
+            target=_serve, args=(haproxy, logical_cpus, deploy, args, child)
+        )
+
+    def __enter__(self) -> Server:
+        self.proc.start()
+        if not self._conn.poll(START_TIMEOUT_S):
+            self.proc.kill()
+            raise RuntimeError(f"the app did not start within {START_TIMEOUT_S} s")
+        port, self.deployed = self._conn.recv()
+        self.client = Http(port)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._conn.send("stop")
+        self.proc.join(120)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join()
 
 
 class HttpError(RuntimeError):
@@ -236,3 +322,56 @@ def closed_loop(
     requests, images, nbytes = in_window(done, before.at, after.at)
     wall = after.at - before.at
     return Window(requests / wall, images / wall, nbytes / wall, cpu.usage(before, after))
+
+
+# --- /v1/encode requests --------------------------------------------------------------
+
+# The served benchmarks' images: sizes cycling through MIX, each image seeded by its place.
+MIX = [(320, 240), (448, 336), (224, 224), (640, 480), (256, 192), (512, 384)]
+PER_REQUEST = 2
+CLIENTS = 4
+
+
+def request_stream(count: int, per_request: int = PER_REQUEST) -> list[list[bytes]]:
+    """``count`` requests of ``per_request`` distinct images cycling through MIX (the same
+    images, in the same order, whatever ``per_request``)."""
+    return [
+        [
+            image(*MIX[(r * per_request + i) % len(MIX)], seed=r * per_request + i)
+            for i in range(per_request)
+        ]
+        for r in range(count)
+    ]
+
+
+def json_body(images: list[bytes], **fields) -> bytes:
+    """A ``/v1/encode`` JSON request of ``images`` (base64), ``fields`` on top."""
+    items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in images]
+    return json.dumps({"items": items, **fields}).encode()
+
+
+class Encode:
+    """``/v1/encode`` of one app: JSON bodies built once, sent by a lean client."""
+
+    def __init__(self, client: Http, prefix: str, stream: list[list[bytes]]):
+        self.client, self.prefix = client, prefix
+        self.path = f"{prefix}/v1/encode"
+        self.bodies = [(json_body(images), len(images)) for images in stream]
+
+    def send(self, k: int) -> tuple[int, int]:
+        body, images = self.bodies[k % len(self.bodies)]
+        data, _ = self.client.post(self.path, body, "application/json")
+        return images, len(data)
+
+    def info(self) -> dict:
+        return get_json(self.client, f"{self.prefix}/v1/info")
+
+
+def get_json(client: Http, path: str) -> dict:
+    """``GET path`` of ``client``'s server, as JSON (a connection of its own)."""
+    conn = http.client.HTTPConnection(client.host, client.port, timeout=60)
+    try:
+        conn.request("GET", path)
+        return json.loads(conn.getresponse().read())
+    finally:
+        conn.close()

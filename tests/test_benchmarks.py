@@ -14,12 +14,15 @@ import pytest
 from benchmarks import (
     bench_assign,
     bench_bytes,
+    bench_bytes_haproxy,
     bench_handoff,
     bench_ingress,
-    bench_serve,
+    bench_latency,
     common,
     compare,
     cpu,
+    feature_bytes,
+    paths,
     revisions,
     serving,
 )
@@ -46,7 +49,7 @@ def test_ours_carries_load_across_requests():
     ("p95s", "knee"), [([10, 12, 15, 40], 3), ([10, 11], None)], ids=["knee", "none"]
 )
 def test_knee(p95s, knee):
-    assert bench_serve.knee([(i, 0, p, 0, 0) for i, p in enumerate(p95s)]) == knee
+    assert bench_latency.knee([(i, 0, p, 0, 0) for i, p in enumerate(p95s)]) == knee
 
 
 # --- repeats, spreads, the run header ---------------------------------------------------
@@ -249,13 +252,13 @@ def test_cpu_ms_per_image_by_process():
         "replica tiny-dp1:EncoderRank_0": 0.01,
         cpu.CLIENT: 0.0,
     }
-    ms = bench_serve.cpu_ms([window(10.0, 1.0, roles, busy=1.61)], app)
+    ms = cpu.cpu_ms([window(10.0, 1.0, roles, busy=1.61)], app)
     assert {k: round(v.median, 6) for k, v in ms.items()} == {
         "rank 0": 50.0,
         "rank 1": 40.0,
-        bench_serve.INGRESS: 20.0,
-        bench_serve.OTHER_APPS: 1.0,
-        bench_serve.OUTSIDE: 50.0,  # 1.61 busy - 1.11 ours, over 10 images
+        cpu.INGRESS: 20.0,
+        cpu.OTHER_APPS: 1.0,
+        cpu.OUTSIDE: 50.0,  # 1.61 busy - 1.11 ours, over 10 images
     }  # the client spent nothing: no row
 
 
@@ -272,7 +275,7 @@ def test_cpu_ms_per_image_by_process():
     ids=["rank-bound", "machine-full", "room-left"],
 )
 def test_cpu_bound_limit(roles, busy, limit):
-    assert bench_serve.bound(window(10.0, 1.0, roles, busy), "a", 2) == pytest.approx(limit)
+    assert cpu.bound(window(10.0, 1.0, roles, busy), "a", 2) == pytest.approx(limit)
 
 
 # --- bench_bytes ------------------------------------------------------------------------
@@ -289,11 +292,11 @@ def test_answers_are_checked_for_their_dtype(fmt, name):
             for i, a in enumerate(arrays)
         ]
         data = json_body({"items": items})
-    bench_bytes.check_answer(data, fmt, "float32", 2)
+    feature_bytes.check_answer(data, fmt, "float32", 2)
     with pytest.raises(
-        bench_bytes.NotSupported, match=rf"asked for bfloat16, answered \['{name}'\]"
+        feature_bytes.NotSupported, match=rf"asked for bfloat16, answered \['{name}'\]"
     ):
-        bench_bytes.check_answer(data, fmt, "bfloat16", 2)
+        feature_bytes.check_answer(data, fmt, "bfloat16", 2)
 
 
 @pytest.mark.parametrize(
@@ -306,7 +309,7 @@ def test_answers_are_checked_for_their_dtype(fmt, name):
     ids=["unknown-field", "other-422", "other-status"],
 )
 def test_a_server_without_feature_dtype_is_recognised(status, body, refused):
-    assert bench_bytes.refuses_feature_dtype(status, body) is refused
+    assert feature_bytes.refuses_feature_dtype(status, body) is refused
 
 
 def st_size(arrays: list[np.ndarray]) -> int:
@@ -326,7 +329,7 @@ def test_expected_body_sizes_of_bfloat16():
     rows = 256 * 7168  # one image's features at K3 width
     f32, f16 = [np.zeros(rows, np.float32)] * 4, [np.zeros(rows, np.float16)] * 4
     item = rows * 4
-    expected = bench_bytes.expected_size
+    expected = feature_bytes.expected_size
     assert expected(st_size(f32), "safetensors", item, 4, "bfloat16") == st_size(f16)
     assert expected(json_size(f32), "json", item, 4, "bfloat16") == json_size(f16)
     assert expected(st_size(f32), "safetensors", item, 4, "float32") == st_size(f32)
@@ -346,14 +349,14 @@ def test_cpu_per_request_counts_only_where_a_request_passes(haproxy):
     ceiling 50 and 30: 40 and 10 ms per request whatever its size, plus 1.33 per MB. The
     client, the controller and an idle app spend CPU too, which is not counted; behind
     HAProxy, HAProxy's 10 ms per request is."""
-    m = bench_bytes.Measured()
+    m = feature_bytes.Measured()
     m.body_bytes = {("float32", "safetensors"): 30_000_000, ("bfloat16", "safetensors"): 15_000_000}
     front = 10 if haproxy else 0
     for dtype, ours_ms, theirs_ms, rate in (("float32", 80, 50, 10.0), ("bfloat16", 60, 30, 12.5)):
-        for path in (bench_bytes.OURS, *bench_bytes.CEILING_APPS):
-            key, app = bench_bytes.path_key(path, dtype, haproxy)
-            ms = (ours_ms if path == bench_bytes.OURS else theirs_ms) - front
-            if path == bench_bytes.OURS:
+        for path in (feature_bytes.OURS, *feature_bytes.CEILING_APPS):
+            key, app = feature_bytes.path_key(path, dtype, haproxy)
+            ms = (ours_ms if path == feature_bytes.OURS else theirs_ms) - front
+            if path == feature_bytes.OURS:
                 spent = {"EncodeServer": ms / 2, "EncoderRank_0": ms / 4, "EncoderRank_1": ms / 4}
             else:
                 spent = {"Outer": ms - 5, "Inner": 5}
@@ -361,27 +364,27 @@ def test_cpu_per_request_counts_only_where_a_request_passes(haproxy):
             if haproxy:
                 w.usage.by_role[cpu.HAPROXY] = front * rate / 1e3
             m.windows[key] = [w]
-    text = bench_bytes.per_request_table(m, haproxy=haproxy)
+    text = feature_bytes.per_request_table(m, haproxy=haproxy)
     assert "| ours (hits, 1 ingress) | 80.0 (80.0–80.0) | 60.0 (60.0–60.0) | 40.0 | 1.33 |" in text
-    for path in bench_bytes.CEILING_APPS:
+    for path in feature_bytes.CEILING_APPS:
         assert f"| {path} | 50.0 (50.0–50.0) | 30.0 (30.0–30.0) | 10.0 | 1.33 |" in text
 
 
 def test_settings_off_are_compared_with_the_default_cell_of_the_same_repeats():
     """Ours at 20 requests/s with every setting on its default, 10 with the ingress cache
     off (80 CPU-ms per request), 16 without glibc tunables; Serve + 1 hop at 12.5."""
-    m = bench_bytes.Measured()
+    m = feature_bytes.Measured()
     rates = {"default": 20.0, "ranks": 10.0, "untuned": 16.0, "hop": 12.5}
-    for dtype in bench_bytes.DTYPES:
-        base = bench_bytes.Cell("hit", dtype, "safetensors", 1)
+    for dtype in feature_bytes.DTYPES:
+        base = feature_bytes.Cell("hit", dtype, "safetensors", 1)
         cells = {
             "default": base,
             "ranks": dataclasses.replace(base, kept=False),
             "untuned": dataclasses.replace(base, tuned=False),
-            "hop": (bench_bytes.CEILINGS[2], dtype, "safetensors"),
+            "hop": (feature_bytes.CEILINGS[2], dtype, "safetensors"),
         }
         for name, key in cells.items():
-            app = key.app if isinstance(key, bench_bytes.Cell) else "hop"
+            app = key.app if isinstance(key, feature_bytes.Cell) else "hop"
             spent = {"EncodeServer": 80.0} if name == "ranks" else {"Outer": 50.0}
             m.windows[key] = [
                 dataclasses.replace(
@@ -389,7 +392,7 @@ def test_settings_off_are_compared_with_the_default_cell_of_the_same_repeats():
                 )
             ]
     ranks = bench_bytes.ranks_table(m)
-    for dtype in bench_bytes.DTYPES:
+    for dtype in feature_bytes.DTYPES:
         row = f"| {dtype} safetensors | 200 (200–200) | 100 (100–100) | 2.00x (2.00–2.00) |"
         assert row + " 0.80x (0.80–0.80) | 80.0 (80.0–80.0) |" in ranks
     tuned = bench_bytes.tuned_table(m)
@@ -401,25 +404,25 @@ def test_haproxy_section_puts_ours_next_to_the_ceilings_behind_haproxy():
     """Behind HAProxy: ours at 10 requests/s (float32) and 18 (bfloat16) per dtype, JSON
     at half that; each Serve ceiling at 8 and 16 requests/s, JSON too. The ratios are
     ours' and each ceiling's own, and the CPU table has HAProxy's row."""
-    s = bench_bytes.Settings()
-    m = bench_bytes.Measured()
+    s = feature_bytes.Settings()
+    m = feature_bytes.Measured()
     m.request_bytes = 2_400_000
-    for dtype, fmt in itertools.product(bench_bytes.DTYPES, bench_bytes.FORMATS):
+    for dtype, fmt in itertools.product(feature_bytes.DTYPES, feature_bytes.FORMATS):
         m.body_bytes[(dtype, fmt)] = 30_000_000
         ours = 10.0 if dtype == "float32" else 18.0
         theirs = 8.0 if dtype == "float32" else 16.0
         if fmt == "json":
             ours /= 2
-        cell = bench_bytes.Cell("hit", dtype, fmt, 1, haproxy=True)
+        cell = feature_bytes.Cell("hit", dtype, fmt, 1, haproxy=True)
         roles = {f"replica {cell.app}:EncodeServer": 0.9, cpu.HAPROXY: 0.2}
         m.windows[cell] = [window(4 * ours, 1.0, roles, busy=1.8)]
-        for name in bench_bytes.CEILINGS[1:]:
-            key = (bench_bytes.HAPROXY, name, dtype, fmt)
+        for name in feature_bytes.CEILINGS[1:]:
+            key = (feature_bytes.HAPROXY, name, dtype, fmt)
             m.windows[key] = [
                 dataclasses.replace(window(4 * theirs, 1.0, {}, busy=1.0), bytes_per_s=3e7 * theirs)
             ]
-    section = bench_bytes.haproxy_section(m, s).markdown()
-    hop1, hop2 = bench_bytes.CEILINGS[2:]
+    section = bench_bytes_haproxy.haproxy_section(m, s).markdown()
+    hop1, hop2 = feature_bytes.CEILINGS[2:]
     assert f"| ours / {hop1} | ours / {hop2} |" in section
     assert "| float32 safetensors | 30.0 | " in section
     assert "| 40.0 (40.0–40.0) | 240 (240–240) | 240 (240–240) | 240 (240–240) " in section
@@ -432,9 +435,9 @@ def test_haproxy_section_puts_ours_next_to_the_ceilings_behind_haproxy():
 
 def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
     """The harness end to end on loopback: stdlib server, lean clients, the window."""
-    with bench_bytes.PlainServer() as plain:
+    with paths.PlainServer() as plain:
         client = serving.Http(plain.port)
-        send = bench_bytes.sender(client, "/5000", b'{"items": []}', 4)
+        send = feature_bytes.sender(client, "/5000", b'{"items": []}', 4)
         assert send(0) == (4, 5000)
         w = serving.closed_loop(send, clients=2, seconds=0.2)
     assert w.requests_per_s > 0
@@ -490,7 +493,7 @@ def test_handoff_counts_only_the_feature_tensors_of_a_body():
     tensors = {f"features.{i}": (a, "BF16") for i, a in enumerate(features)}
     tensors["grid_thw.0"] = (np.zeros((1, 3), np.int64), "I64")
     body = safetensors_body(tensors, {"model": "m"})
-    assert bench_handoff.feature_bytes(body) == (3 + 5) * 8 * 2
+    assert paths.feature_bytes(body) == (3 + 5) * 8 * 2
 
 
 def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
@@ -508,11 +511,11 @@ def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
         steal_s=0.0,
     )
     run = bench_handoff.Run(mb_per_s=100.0, per_s=5.0, count=10, usage=usage)
-    assert run.cpu_ms(bench_serve.INGRESS) == pytest.approx(50.0)
+    assert run.cpu_ms(cpu.INGRESS) == pytest.approx(50.0)
     assert run.cpu_ms("rank 0") == pytest.approx(20.0)
     assert run.cpu_ms("rank 1") == pytest.approx(30.0)
     assert run.cpu_ms(cpu.CLIENT) == pytest.approx(25.0)
-    assert run.cpu_ms(bench_serve.OTHER_APPS) == pytest.approx(5.0)
+    assert run.cpu_ms(cpu.OTHER_APPS) == pytest.approx(5.0)
     assert run.cpu_ms() == pytest.approx(140.0)
     text = bench_handoff.cpu_tables({"a": [run], "b": [run]})[1]
     assert "| **all of ours** | 140.0 (140.0–140.0) | 140.0 (140.0–140.0) |" in text
@@ -522,16 +525,16 @@ def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
 @pytest.mark.parametrize(
     ("role", "label"),
     [
-        ("replica bytes-hit-2:EncodeServer", bench_serve.INGRESS),
+        ("replica bytes-hit-2:EncodeServer", cpu.INGRESS),
         ("replica bytes-hit-2:EncoderRank_1", "rank 1"),
-        ("replica bytes-hit-1:EncodeServer", bench_serve.OTHER_APPS),
+        ("replica bytes-hit-1:EncodeServer", cpu.OTHER_APPS),
         (cpu.PROXY, cpu.PROXY),
         (cpu.CLIENT, cpu.CLIENT),
         (cpu.RAY_SYSTEM, cpu.RAY_SYSTEM),
     ],
 )
 def test_cpu_labels_belong_to_the_app_measured(role: str, label: str):
-    assert bench_serve.labeller("bytes-hit-2")(role) == label
+    assert cpu.labeller("bytes-hit-2")(role) == label
 
 
 def test_wire_benchmark_times_assembly_into_mapped_memory():

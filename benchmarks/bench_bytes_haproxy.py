@@ -1,0 +1,148 @@
+"""Feature bytes behind Serve's HAProxy ingress: ours and Serve's ceilings, side by side.
+
+    python -m benchmarks.bench_bytes_haproxy [--quick]
+
+The hit cells of ``bench_bytes`` with one ingress replica (every wire dtype and
+format) and its three Serve ceilings, in a cluster of their own started with
+``RAY_SERVE_ENABLE_HA_PROXY=1`` (README, "High-throughput ingress"): HAProxy
+forwards each request to an HTTP server inside the ingress replica, which writes
+its answer to the socket; no Python proxy, no pickled answer. The same settings
+and request bodies as ``bench_bytes``; the ceilings answer bodies of the sizes
+ours answered. Every cell alternated over the repeats.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import tempfile
+from pathlib import Path
+
+from . import cpu
+from .common import Section, alternate, image, standalone, table
+from .feature_bytes import (
+    CEILINGS,
+    DTYPES,
+    FORMATS,
+    HAPROXY,
+    PER_REQUEST,
+    Cell,
+    Measured,
+    Settings,
+    ceiling_ratio_table,
+    cell_text,
+    cores_table,
+    deploy,
+    loop_of,
+    our_setups,
+    per_request_table,
+    ratio_text,
+    request_body,
+    sender,
+    serve_ceilings,
+    size_text,
+)
+from .serving import INGRESSES, Http, Server, server_failed, wide_checkpoint
+
+COMMAND = "python -m benchmarks.bench_bytes_haproxy"
+
+
+# The hit cells of one ingress replica, behind HAProxy.
+BEHIND_HAPROXY = [
+    Cell("hit", dtype, fmt, 1, haproxy=True) for dtype, fmt in itertools.product(DTYPES, FORMATS)
+]
+
+
+def measure(s: Settings, root: Path) -> Measured:
+    """Ours (hits, one ingress replica, every dtype and format) and the Serve ceilings in a
+    cluster behind HAProxy, every cell alternated over ``s.repeats`` repeats."""
+    ckpt = str(wide_checkpoint(root / f"tiny-{s.width}", width=s.width))
+    images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
+    out = Measured()
+    haproxy = INGRESSES[HAPROXY]
+    with Server(haproxy, deploy, (ckpt, s, BEHIND_HAPROXY), logical_cpus=16) as ha:
+        setups = our_setups(ha.client, images, s, out, BEHIND_HAPROXY)
+        setups |= haproxy_ceiling_setups(ha.client, images, s, out)
+        out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
+    return out
+
+
+def haproxy_ceiling_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
+    """The Serve ceilings behind HAProxy, keyed (``HAPROXY``, name, dtype, fmt), with the
+    answer sizes of the first phase."""
+    setups = {}
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        body = request_body(images, fmt, dtype)
+        for name, path in serve_ceilings(out.body_bytes[(dtype, fmt)]):
+            setups[(HAPROXY, name, dtype, fmt)] = loop_of(
+                sender(client, path, body, len(images)), s
+            )
+    return setups
+
+
+def sections(quick: bool, s: Settings | None = None) -> list[Section]:
+    s = s or Settings.of(quick)
+    with tempfile.TemporaryDirectory() as tmp:
+        m = measure(s, Path(tmp))
+    return [haproxy_section(m, s)]
+
+
+def haproxy_section(m: Measured, s: Settings) -> Section:
+    hops = CEILINGS[2:]
+    rows = []
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        ours = Cell("hit", dtype, fmt, 1, haproxy=True)
+        rows.append(
+            [
+                f"{dtype} {fmt}",
+                size_text(m, dtype, fmt),
+                cell_text(m, ours, "MB"),
+                cell_text(m, ours, "images"),
+                *(m.mb_per_s((HAPROXY, c, dtype, fmt)).fmt(0) for c in CEILINGS[1:]),
+                *(ratio_text(m, ours, (HAPROXY, hop, dtype, fmt)) for hop in hops),
+            ]
+        )
+    header = [
+        "answer body",
+        "MB",
+        "ours: MB/s",
+        "images/s",
+        *(f"{c}: MB/s" for c in CEILINGS[1:]),
+        *(f"ours / {hop}" for hop in hops),
+    ]
+    return Section(
+        "Feature bytes behind HAProxy",
+        COMMAND,
+        [
+            "The hit cells of one ingress replica and the three Serve ceilings again, in a "
+            "cluster of their own started with `RAY_SERVE_ENABLE_HA_PROXY=1` (README, "
+            '"High-throughput ingress"): HAProxy forwards each request to an HTTP server '
+            "inside the replica, which writes its answer to the socket; no Python proxy, no "
+            "pickled answer. Same settings, request bodies and answer sizes as the two "
+            f"sections above; a run of its own after them, {s.repeats} repeats "
+            "alternating its cells. The plain HTTP server has no Serve ingress: its figures "
+            "are in the section above.",
+            table(header, rows),
+            "The issue's ratios of images/s behind HAProxy, ours next to the ceilings':",
+            ceiling_ratio_table(m, haproxy=True),
+            "Cores busy by process in ours' safetensors cells (CPU seconds / wall seconds, "
+            "median of the repeats):",
+            haproxy_cpu_table(m, s),
+            PER_REQUEST.format(proxy="HAProxy"),
+            per_request_table(m, haproxy=True),
+        ],
+    )
+
+
+def haproxy_cpu_table(m: Measured, s: Settings) -> str:
+    cells = [c for c in BEHIND_HAPROXY if c.fmt == "safetensors"]
+    names = [cpu.INGRESS, *(f"rank {r}" for r in range(s.dp)), cpu.HAPROXY, cpu.CLIENT]
+    return cores_table(m, cells, names, lambda c: f"{c.dtype}, {c.fmt}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return standalone(__doc__, lambda a: sections(a.quick), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
