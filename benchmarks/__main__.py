@@ -22,7 +22,7 @@ from . import (
     bench_serve,
     bench_wire,
 )
-from .common import ROOT, DirtyTreeError, Run, arguments, document, with_load
+from .page import ROOT, DirtyTreeError, Run, arguments, document, with_load
 
 # In the page's order: each module's sections, numbered on.
 MODULES = (

@@ -26,7 +26,8 @@ from kimi_encoder.assign import assign_owners, makespan, makespan_lower_bound
 from kimi_encoder.cost import calibrate
 from kimi_encoder.encoder import VisionEncoder
 
-from .common import Section, ratio, spread, standalone, table
+from .common import Section, ratio, spread, table
+from .page import standalone
 
 RULES = ("round-robin", "largest-first (patches)", "ours (fitted, load-aware)")
 

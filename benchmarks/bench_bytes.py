@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 from . import cpu
-from .common import Section, alternate, image, spread, standalone, table
+from .common import Section, alternate, spread, table
 from .feature_bytes import (
     CACHE,
     CEILINGS,
@@ -61,6 +61,8 @@ from .feature_bytes import (
     serve_ceilings,
     size_text,
 )
+from .inputs import image
+from .page import standalone
 from .paths import PlainServer
 from .serving import Cluster, Http, server_failed, wide_checkpoint
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from . import cpu
-from .common import Section, alternate, image, standalone, table
+from .common import Section, alternate, table
 from .feature_bytes import (
     CEILINGS,
     DTYPES,
@@ -42,6 +42,8 @@ from .feature_bytes import (
     serve_ceilings,
     size_text,
 )
+from .inputs import image
+from .page import standalone
 from .serving import INGRESSES, Http, Server, server_failed, wide_checkpoint
 
 COMMAND = "python -m benchmarks.bench_bytes_haproxy"

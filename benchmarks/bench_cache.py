@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .common import Section, image, ratio, spread, standalone, table
+from .common import Section, ratio, spread, table
+from .inputs import image
+from .page import standalone
 from .serving import MIX, Cluster, Encode, Http, bench_args, bind, json_body
 
 

@@ -24,7 +24,9 @@ from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
 
-from .common import MODE_MIX, Section, arguments, mode_mix, ratio, spread, standalone, table
+from .common import Section, ratio, spread, table
+from .inputs import MODE_MIX, mode_mix
+from .page import arguments, standalone
 
 
 def timed(fn, seconds: float) -> tuple[float, int]:

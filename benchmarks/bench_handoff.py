@@ -46,7 +46,8 @@ import psutil
 import zmq
 
 from . import cpu
-from .common import Section, alternate, ratio, spread, standalone, table
+from .common import Section, alternate, ratio, spread, table
+from .page import standalone
 from .paths import (
     CLIENTS,
     HANDOFF_APP,

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import zmq
 
-from .common import Section, alternate, ratio, spread, standalone, table
+from .common import Section, alternate, ratio, spread, table
+from .page import standalone
 from .paths import CLIENTS, SIDE, Sink, deploy_handoff_in, handoff, http_body, part_images, warm_up
 from .serving import INGRESSES, K3_WIDTH, Server, server_failed, wide_checkpoint
 

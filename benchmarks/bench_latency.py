@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .common import Section, pyplot, save_plot, spread, standalone, table
+from .common import Section, spread, table
+from .page import pyplot, save_plot, standalone
 from .serving import (
     CLIENTS,
     PER_REQUEST,

@@ -42,7 +42,7 @@ from safetensors.numpy import load as load_safetensors
 
 from kimi_encoder.encoder import VisionEncoder
 
-from .common import image
+from .inputs import image
 from .serving import app_args, bind, free_port
 
 # (width, height): tiny thumbnails to the tiny preset's largest (it scales 500x375 down).

@@ -14,7 +14,8 @@ import json
 import subprocess
 import sys
 
-from .common import Section, standalone, table
+from .common import Section, table
+from .page import standalone
 
 CASES = [
     ("baseline (python + torch + kimi_encoder)", None, "float32", False),

@@ -27,18 +27,9 @@ import sys
 from dataclasses import dataclass, field
 
 from . import cpu
-from .common import (
-    Section,
-    Spread,
-    alternate,
-    arguments,
-    line_through,
-    ratio,
-    spread,
-    standalone,
-    table,
-)
+from .common import Section, Spread, alternate, line_through, ratio, spread, table
 from .direct import DirectWorkers
+from .page import arguments, standalone
 from .serving import (
     CLIENTS,
     MIX,

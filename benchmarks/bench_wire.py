@@ -32,7 +32,8 @@ from safetensors.numpy import save as save_safetensors
 from deployments.wire import json_body
 from kimi_encoder.features import safetensors_body
 
-from .common import Section, alternate, ratio, spread, standalone, table
+from .common import Section, alternate, ratio, spread, table
+from .page import standalone
 
 
 def features(total_mb: int, width: int = 7168) -> list[np.ndarray]:

@@ -1,123 +1,43 @@
-"""Shared pieces of the benchmarks: the run header, repeats and their spread, markdown.
+"""What every benchmark records: repeats and their spread, sections, reports, tables.
 
 Every figure that compares setups is measured as repeats that alternate the
 setups (A B A B ...), so a burst of load from elsewhere on the machine falls
 on all of them; a ratio is the median of the per-repeat ratios, printed with
-their min–max. A run records the commit (and refuses a dirty tree unless
-``--allow-dirty``, which marks the output), the CPU, the core count and the
-load average before and after.
+their min–max.
+
+A ``Section`` is one part of what a run reports: its paragraphs and tables for
+the page ``make bench`` writes (benchmarks/page.py), or, in a budgeted device
+run (gpu_check.py, gpu_served.py), its deadline, status, checks and results as
+they come. A ``Report`` keeps a device run's sections and writes them to its
+output folder as JSON and Markdown after every entry, so a run killed midway
+keeps what it measured; ``Report.run`` runs one section under its deadline.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
-import os
-import platform
+import contextlib
+import gc
+import json
+import math
+import signal
 import statistics
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-import numpy as np
-import torch
-from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
-FIGURES = ROOT / "docs" / "benchmarks"
-
 T = TypeVar("T")
-
-
-# --- the run header -------------------------------------------------------------------
-
-
-class DirtyTreeError(RuntimeError):
-    """The checkout has uncommitted changes to tracked files."""
-
-
-def git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(
-        ["git", *args], cwd=cwd, capture_output=True, text=True, check=True
-    ).stdout.strip()
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def load_average() -> tuple[float, float, float]:
-    return os.getloadavg()
 
 
 def fmt_load(load: Sequence[float]) -> str:
     return "/".join(f"{v:.2f}" for v in load)
 
 
-@dataclass
-class Run:
-    """What one benchmark run was measured on; ``start`` refuses a dirty tree."""
-
-    quick: bool
-    commit: str
-    dirty: bool
-    cpu: str
-    cores: int
-    load_before: tuple[float, float, float]
-    load_after: tuple[float, float, float] | None = None
-    started: float = field(default_factory=time.perf_counter)
-
-    @classmethod
-    def start(cls, quick: bool, allow_dirty: bool, root: Path = ROOT) -> Run:
-        # The benchmarks' own outputs (this page and its plots) do not make a tree dirty.
-        outputs = [":!docs/benchmarks.md", ":!docs/benchmarks"]
-        changed = git(
-            "status", "--porcelain", "--untracked-files=no", "--", ".", *outputs, cwd=root
-        )
-        if changed and not allow_dirty:
-            raise DirtyTreeError(
-                "the checkout has uncommitted changes to tracked files:\n"
-                f"{changed}\n"
-                "figures must name the commit they were measured on: commit first, or pass "
-                "--allow-dirty (the output is then marked dirty)."
-            )
-        return cls(
-            quick=quick,
-            commit=git("rev-parse", "--short", "HEAD", cwd=root),
-            dirty=bool(changed),
-            cpu=cpu_name(),
-            cores=os.cpu_count() or 1,
-            load_before=load_average(),
-        )
-
-    def finish(self) -> None:
-        self.load_after = load_average()
-
-    @property
-    def seconds(self) -> float:
-        return time.perf_counter() - self.started
-
-    def header(self) -> str:
-        """The run's markdown header lines (call ``finish`` first)."""
-        commit = f"{self.commit} **(dirty: uncommitted changes)**" if self.dirty else self.commit
-        mode = "**quick** (`--quick`: short windows, noisy)" if self.quick else "full"
-        after = fmt_load(self.load_after) if self.load_after else "n/a"
-        return (
-            f"- commit {commit}; run: {mode}; {self.seconds:.0f} s\n"
-            f"- machine: {self.cpu}, {self.cores} cores; torch {torch.__version__} (CPU), "
-            f"Python {platform.python_version()}\n"
-            f"- load average (1/5/15 min) before {fmt_load(self.load_before)}, after {after}"
-        )
+def say(*args) -> None:
+    """Progress lines that arrive even without PYTHONUNBUFFERED."""
+    print(*args, flush=True)
 
 
 # --- repeats and their spread ---------------------------------------------------------
@@ -172,7 +92,7 @@ def ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
 
 
 # Windows measured again after a failure ``alternate`` was told to survive, as
-# "setup, repeat k: error"; ``with_load`` moves them onto the page, under their section.
+# "setup, repeat k: error"; ``page.with_load`` moves them onto the page, under their section.
 RERUNS: list[str] = []
 
 
@@ -203,7 +123,7 @@ def alternate(
     return out
 
 
-# --- markdown -------------------------------------------------------------------------
+# --- sections -------------------------------------------------------------------------
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
@@ -214,150 +134,258 @@ def table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
 
 @dataclass
 class Section:
-    """One section of docs/benchmarks.md: its title, the command that re-runs it alone,
-    and its paragraphs and tables in order."""
+    """One section of a report: its title, the command that re-runs it alone, and its
+    paragraphs and tables in order. A budgeted section (``deadline_s`` set) also
+    records, as it runs, its checks, results and notes; ``results`` fills entry by
+    entry, so a timeout keeps what was measured."""
 
     title: str
-    command: str
-    parts: list[str]
+    command: str = ""
+    parts: list[str] = field(default_factory=list)
     load: tuple[tuple[float, ...], tuple[float, ...]] | None = None  # before, after
+    deadline_s: float | None = None
+    status: str = "running"
+    elapsed_s: float = 0.0
+    checks: list[dict] = field(default_factory=list)
+    results: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    error: str | None = None
+    _started: float = field(default_factory=time.monotonic)
+    _save: Callable[[Section], None] | None = None  # writes the report after each entry
+
+    def left(self) -> float:
+        """Seconds left of the deadline (unbounded without one)."""
+        if self.deadline_s is None:
+            return math.inf
+        return self.deadline_s - (time.monotonic() - self._started)
+
+    def fits(self, what: str, needs_s: float) -> bool:
+        """Whether ``what`` (about ``needs_s`` seconds) still fits the deadline; notes a skip."""
+        if self.left() >= needs_s:
+            return True
+        self.notes.append(f"skipped {what}: {self.left():.0f} s left of the section's deadline")
+        self._saved()
+        return False
+
+    def check(self, name: str, passed: bool | None, **detail) -> None:
+        """A pass/fail check (``passed`` None: skipped, with ``reason`` in ``detail``)."""
+        status = "skipped" if passed is None else ("pass" if passed else "fail")
+        self.checks.append({"name": name, "status": status, **detail})
+        say(f"  [{status}] {name} {brief(detail)}")
+        self._saved()
+
+    def record(self, key: str, value) -> None:
+        self.results[key] = value
+        say(f"  {key}: {brief(value)}")
+        self._saved()
+
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+        say(f"  note: {text}")
+        self._saved()
+
+    def _saved(self) -> None:
+        if self._save is not None:
+            self._save(self)
+
+    def as_dict(self) -> dict:
+        out = {"name": self.title}
+        out |= {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        for key in ("title", "command", "parts", "load"):
+            out.pop(key)
+        return rounded(out)
 
     def markdown(self, number: int | None = None) -> str:
         title = f"{number}. {self.title}" if number is not None else self.title
-        lines = [f"## {title}", "", f"Re-run alone: `{self.command}`"]
-        if self.load:
-            before, after = self.load
-            lines[-1] += f" (load average before {fmt_load(before)}, after {fmt_load(after)})"
-        lines.append("")
+        if self.deadline_s is not None:
+            title += f": {self.status} ({round(self.elapsed_s, 1)} s)"
+        lines = [f"## {title}", ""]
+        if self.command:
+            lines.append(f"Re-run alone: `{self.command}`")
+            if self.load:
+                before, after = self.load
+                lines[-1] += f" (load average before {fmt_load(before)}, after {fmt_load(after)})"
+            lines.append("")
         for part in self.parts:
             lines += [part, ""]
+        record = self._record_lines()
+        return "\n".join(lines + record + ([""] if record else []))
+
+    def _record_lines(self) -> list[str]:
+        lines = []
+        for check in self.checks:
+            detail = {k: v for k, v in check.items() if k not in ("name", "status")}
+            lines.append(f"- **{check['status']}** {check['name']}: {brief(detail, 400)}")
+        for key, value in self.results.items():
+            if not isinstance(value, dict):
+                lines.append(f"- {key}: {brief(value, 600)}")
+        lines += [f"- note: {note}" for note in self.notes]
+        rows = {k: v for k, v in self.results.items() if isinstance(v, dict) and not nested(v)}
+        lines += tables({k: flat(v) for k, v in rows.items()})
+        for key, value in self.results.items():
+            if isinstance(value, dict) and nested(value):
+                lines += ["", f"{key}:", *tables({k: flat(v) for k, v in value.items()})]
+        if self.error:
+            lines += ["", "```", self.error, "```"]
+        return lines
+
+
+# --- budgeted reports -----------------------------------------------------------------
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def alarm(seconds: float) -> Iterator[None]:
+    """Raise SectionTimeout in the main thread after ``seconds`` (a backstop: sections
+    also check their deadline between steps; a running CUDA call finishes first)."""
+
+    def fire(signum, frame):
+        raise SectionTimeout(f"deadline of {seconds:.0f} s passed")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Report:
+    """A budgeted run's record: ``data`` (what the run was measured on) and its sections,
+    written to ``out`` as ``{name}.json`` and ``{name}.md`` after every entry."""
+
+    RESERVE_S = 10.0  # left at the end of the budget for writing and exiting
+    GRACE_S = 15.0  # past a section's deadline before the alarm interrupts it
+
+    def __init__(
+        self,
+        out: Path,
+        name: str,
+        title: str,
+        data: dict,
+        budget_s: float,
+        intro: Callable[[dict], list[str]] = lambda data: [],
+    ):
+        self.out, self.name, self.title, self.intro = out, name, title, intro
+        self.started = time.monotonic()
+        self.budget_s = budget_s
+        self.data = {**data, "budget_s": budget_s, "sections": {}}
+        self.sections: dict[str, Section] = {}
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def run(
+        self, name: str, fn: Callable[[Section], None], deadline_s: float, min_s: float
+    ) -> Section:
+        """``fn(section)`` under the lower of ``deadline_s`` and what the budget has left;
+        skipped, saying so, when fewer than ``min_s`` seconds are left. A failed check
+        fails the section; an exception is recorded and the run goes on."""
+        left = self.left() - self.RESERVE_S
+        section = Section(name, deadline_s=min(deadline_s, left), _save=self.save_section)
+        self.save_section(section)
+        say(f"== {name} (deadline {section.deadline_s:.0f} s, budget left {self.left():.0f} s)")
+        if left < min_s:
+            section.status = f"skipped: {left:.0f} s of the budget left, it needs {min_s:.0f}"
+            say(f"  {section.status}")
+        else:
+            try:
+                with alarm(section.deadline_s + self.GRACE_S):
+                    fn(section)
+                failed = any(c["status"] == "fail" for c in section.checks)
+                section.status = "fail" if failed else "pass"
+            except SectionTimeout as exc:
+                section.status = "timeout"
+                section.error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - recorded; the next sections still run
+                section.status = "error"
+                section.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+                say(section.error)
+        section.elapsed_s = section.deadline_s - section.left()
+        self.save_section(section)
+        say(f"== {name}: {section.status} in {section.elapsed_s:.1f} s")
+        gc.collect()
+        return section
+
+    def save_section(self, section: Section) -> None:
+        self.data["sections"][section.title] = section.as_dict()
+        self.sections[section.title] = section
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(time.monotonic() - self.started, 1)
+        self.data["exit_code"] = self.exit_code()
+        self.out.mkdir(parents=True, exist_ok=True)
+        for name, text in (
+            (f"{self.name}.json", json.dumps(rounded(self.data), indent=2, default=str)),
+            (f"{self.name}.md", self.markdown()),
+        ):
+            tmp = self.out / f".{name}.tmp"
+            tmp.write_text(text + "\n")
+            tmp.replace(self.out / name)
+
+    def exit_code(self) -> int:
+        """1 when a check failed or a section raised, else 0."""
+        return int(any(s["status"] in ("fail", "error") for s in self.data["sections"].values()))
+
+    def markdown(self) -> str:
+        data = self.data
+        lines = [f"# {self.title}", "", *self.intro(data)]
+        lines += [
+            f"budget {data['budget_s']} s, elapsed {data.get('elapsed_s')} s, "
+            f"exit code {data.get('exit_code')}",
+            "",
+        ]
+        lines += [section.markdown() for section in self.sections.values()]
         return "\n".join(lines)
 
 
-def with_load(make: Callable[[], list[Section]]) -> list[Section]:
-    """``make()``'s sections, each carrying the load average before and after it."""
-    before = load_average()
-    del RERUNS[:]
-    sections = make()
-    after = load_average()
-    for section in sections:
-        section.load = (before, after)
-    if RERUNS and sections:
-        reruns = "; ".join(RERUNS)
-        sections[0].parts.append(
-            f"Windows measured again after the server failed under them (once each; their "
-            f"first try is not counted): {reruns}."
-        )
-    del RERUNS[:]
-    return sections
+# --- rendering records ----------------------------------------------------------------
 
 
-def document(run: Run, sections: Sequence[Section], intro: str) -> str:
-    parts = ["# Benchmarks", "", intro, "", run.header(), ""]
-    parts += [s.markdown(i) for i, s in enumerate(sections, 1)]
-    return "\n".join(parts)
+def nested(value: dict) -> bool:
+    """A dict of rows (each a dict), rendered as a table of its own."""
+    return bool(value) and all(isinstance(v, dict) for v in value.values())
 
 
-def arguments(doc: str) -> argparse.ArgumentParser:
-    """The options every benchmark takes."""
-    parser = argparse.ArgumentParser(
-        description=doc.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help="short runs, noisy")
-    parser.add_argument(
-        "--allow-dirty",
-        action="store_true",
-        help="run on a checkout with uncommitted changes (the output says so)",
-    )
-    return parser
+def tables(rows: dict[str, dict]) -> list[str]:
+    """Markdown tables: one per distinct set of columns, a row per entry."""
+    lines = []
+    for columns in dict.fromkeys(tuple(row) for row in rows.values()):
+        lines += ["", "| | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+        for key, row in rows.items():
+            if tuple(row) == columns:
+                cells = [brief(row[c], 80) for c in columns]
+                lines.append("| " + " | ".join([key, *cells]).replace("\n", " ") + " |")
+    return lines
 
 
-def standalone(
-    doc: str,
-    make: Callable[[argparse.Namespace], list[Section]],
-    argv: list[str] | None = None,
-    parser: argparse.ArgumentParser | None = None,
-) -> int:
-    """``python -m benchmarks.bench_X [--quick]``: run its sections and print their markdown."""
-    args = (parser or arguments(doc)).parse_args(argv)
-    try:
-        run = Run.start(args.quick, args.allow_dirty)
-    except DirtyTreeError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    sections = with_load(lambda: make(args))
-    run.finish()
-    print(run.header() + "\n")
-    for section in sections:
-        print(section.markdown())
-    return 0
-
-
-# --- inputs and plots -----------------------------------------------------------------
-
-
-def image(width: int, height: int, seed: int) -> bytes:
-    """A seeded PNG photo-like image (gradients plus noise)."""
-    rng = np.random.default_rng(seed)
-    yy, xx = np.mgrid[0:height, 0:width]
-    base = np.stack([xx * 255 // max(width, 1), yy * 255 // max(height, 1), (xx + yy) % 256], -1)
-    noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(noisy, "RGB").save(out, "PNG")
-    return out.getvalue()
-
-
-def jpeg(side: int, seed: int) -> bytes:
-    """A seeded square photo-like image as a JPEG (quality 90), as clients send photos."""
-    out = io.BytesIO()
-    Image.open(io.BytesIO(image(side, side, seed))).save(out, "JPEG", quality=90)
-    return out.getvalue()
-
-
-# A fixed mix for the tower: photo-like RGB of several sizes, one RGBA, one palette image.
-MODE_MIX = [
-    ("RGB", (640, 480)),
-    ("RGB", (1024, 768)),
-    ("RGB", (320, 240)),
-    ("RGBA", (500, 500)),
-    ("P", (400, 300)),
-    ("RGB", (1920, 1080)),
-    ("L", (256, 256)),
-    ("RGB", (800, 200)),
-]
-
-
-def mode_mix(seed: int = 0) -> list[bytes]:
-    """``MODE_MIX`` as seeded PNGs."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for mode, (w, h) in MODE_MIX:
-        yy, xx = np.mgrid[0:h, 0:w]
-        base = np.stack([xx * 255 // w, yy * 255 // h, (xx + yy) % 256, 255 - xx * 255 // w], -1)
-        noisy = np.clip(base + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
-        img = Image.fromarray(noisy, "RGBA")
-        img = img if mode == "RGBA" else img.convert("RGB")
-        if mode == "P":
-            img = img.quantize(64)
-        elif mode == "L":
-            img = img.convert("L")
-        buf = io.BytesIO()
-        img.save(buf, format="PNG")
-        out.append(buf.getvalue())
+def flat(row: dict, prefix: str = "") -> dict:
+    """One level of nesting spelled out: {"a": {"b": 1}} -> {"a.b": 1}."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out.update(flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
     return out
 
 
-def save_plot(fig, name: str) -> str:
-    FIGURES.mkdir(parents=True, exist_ok=True)
-    path = FIGURES / name
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    return f"benchmarks/{name}"
+def rounded(value):
+    """Floats to 4 significant digits (non-finite ones as text), through dicts and lists."""
+    if isinstance(value, float):
+        return float(f"{value:.4g}") if math.isfinite(value) else str(value)
+    if isinstance(value, dict):
+        return {str(k): rounded(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v) for v in value]
+    return value
 
 
-def pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+def brief(value, limit: int = 240) -> str:
+    text = json.dumps(rounded(value), default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from .common import jpeg
+from .inputs import jpeg
 from .serving import Http, app_args, bind, free_port
 
 # The hand-off app's requests: 2 JPEGs of 896 x 896 px (1024 tokens each) per part or

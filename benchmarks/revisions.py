@@ -29,18 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from .common import (
-    ROOT,
-    Section,
-    alternate,
-    arguments,
-    git,
-    mode_mix,
-    ratio,
-    spread,
-    standalone,
-    table,
-)
+from .common import Section, alternate, ratio, spread, table
+from .inputs import mode_mix
+from .page import ROOT, arguments, git, standalone
 from .serving import (
     CLIENTS,
     PER_REQUEST,

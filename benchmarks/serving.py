@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import cpu
-from .common import image
+from .inputs import image
 
 # Fast teardown of apps: nothing is in flight when the benchmark deletes one.
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 1}
@@ -46,11 +46,21 @@ def free_port() -> int:
 
 
 def app_args(**fields):
-    """``AppArgs`` of ``fields`` (the flat names of a config's ``args:`` block): every
-    benchmark builds its apps' arguments here."""
-    from deployments.args import AppArgs
+    """``AppArgs`` of ``fields``: every benchmark builds its apps' arguments here. The
+    benchmarks name each field by its flat key (``dp_size``, ``feature_cache_bytes``,
+    ...); where ``AppArgs`` groups them by component, each goes to the section its
+    ``MOVED`` entry names (``feature_cache_bytes`` -> ``ranks.cache_bytes``)."""
+    from deployments import args
 
-    return AppArgs(**fields)
+    moved = getattr(args, "MOVED", {})
+    nested: dict = {}
+    for key, value in fields.items():
+        *sections, leaf = moved.get(key, key).split(".")
+        node = nested
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[leaf] = value
+    return args.AppArgs(**nested)
 
 
 def bench_args(checkpoint: str, dp: int, **fields):

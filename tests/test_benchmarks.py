@@ -22,6 +22,8 @@ from benchmarks import (
     compare,
     cpu,
     feature_bytes,
+    inputs,
+    page,
     paths,
     revisions,
     serving,
@@ -78,7 +80,7 @@ def test_alternate_measures_a_failed_window_again_and_notes_it():
         assert measured == {"a": [1, 3], "b": [0, 0]}  # the failed try is not counted
         return [common.Section("S", "cmd", ["text"]), common.Section("T", "cmd", [])]
 
-    first, second = common.with_load(make)
+    first, second = page.with_load(make)
     assert first.parts[1] == (
         "Windows measured again after the server failed under them (once each; their "
         "first try is not counted): a, repeat 2: HttpError: POST /x answered 500: b'gone'."
@@ -141,7 +143,7 @@ def test_a_dirty_tree_is_refused_unless_allowed(tmp_path):
     (tmp_path / "f.txt").write_text("a")
     git("add", "f.txt")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
-    clean = common.Run.start(quick=True, allow_dirty=False, root=tmp_path)
+    clean = page.Run.start(quick=True, allow_dirty=False, root=tmp_path)
     assert not clean.dirty
     assert len(clean.commit) >= 7
     (tmp_path / "docs").mkdir()
@@ -149,13 +151,13 @@ def test_a_dirty_tree_is_refused_unless_allowed(tmp_path):
     git("add", "docs")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "two")
     (tmp_path / "docs" / "benchmarks.md").write_text("the page a run wrote")
-    assert not common.Run.start(quick=True, allow_dirty=False, root=tmp_path).dirty
+    assert not page.Run.start(quick=True, allow_dirty=False, root=tmp_path).dirty
     (tmp_path / "f.txt").write_text("b")
     with pytest.raises(
-        common.DirtyTreeError, match=r"(?s)uncommitted changes.*f\.txt.*--allow-dirty"
+        page.DirtyTreeError, match=r"(?s)uncommitted changes.*f\.txt.*--allow-dirty"
     ):
-        common.Run.start(quick=True, allow_dirty=False, root=tmp_path)
-    dirty = common.Run.start(quick=True, allow_dirty=True, root=tmp_path)
+        page.Run.start(quick=True, allow_dirty=False, root=tmp_path)
+    dirty = page.Run.start(quick=True, allow_dirty=True, root=tmp_path)
     dirty.finish()
     header = dirty.header()
     assert dirty.dirty
@@ -472,8 +474,8 @@ def test_two_runs_agree_when_their_ranges_overlap(other, agree, medians_inside, 
     every = compare.compare(first, second, every=True)  # the rate column too
     assert [k for k, _, _ in every] == ["2. DP scaling | small | 1: dp 1, images/s", key]
     pages = [tmp_path / "a.md", tmp_path / "b.md"]
-    for page, text in zip(pages, (first, second), strict=True):
-        page.write_text(text)
+    for path, text in zip(pages, (first, second), strict=True):
+        path.write_text(text)
     assert compare.main([str(p) for p in pages]) == (0 if agree else 1)
 
 
@@ -555,10 +557,10 @@ def test_wire_benchmark_times_assembly_into_mapped_memory():
 def test_revisions_export_a_revision_and_time_its_tower(tmp_path):
     head = revisions.Revision("HEAD", tmp_path / "head")
     assert (tmp_path / "head" / "kimi_encoder" / "encoder.py").is_file()
-    assert head.rev == common.git("rev-parse", "--short", "HEAD")
+    assert head.rev == page.git("rev-parse", "--short", "HEAD")
     images = tmp_path / "mix"
     images.mkdir()
-    (images / "0.png").write_bytes(common.image(64, 48, seed=0))
+    (images / "0.png").write_bytes(inputs.image(64, 48, seed=0))
     assert head.tower("tiny", images, 0.2) > 0
 
 
