@@ -121,6 +121,14 @@ class BatchCounters:
     max_batch_images: int = 0
     max_batch_calls: int = 0  # most distinct encode calls in one forward
     forward_s: float = 0.0
+    # Seconds summed over the images forwarded (queue: arrival to its batch's start; host:
+    # its decode and preprocessing on the decode pool) and over batches (device: pixels
+    # handed to the forward; copy: features to the host; store: ``keep``, into the cache).
+    queue_s: float = 0.0
+    host_s: float = 0.0
+    device_s: float = 0.0
+    copy_s: float = 0.0
+    store_s: float = 0.0
 
 
 @dataclass
@@ -327,6 +335,7 @@ class RankBatcher:
             timing = _Timing(self.counters.batches, time.perf_counter())
             for q in batch:
                 q.timing = timing
+            self.counters.queue_s += sum(timing.started - q.arrived for q in batch)
             hosts = await asyncio.gather(
                 *(asyncio.wrap_future(q.host) for q in batch), return_exceptions=True
             )
@@ -396,6 +405,7 @@ class RankBatcher:
                 continue
             prepared, host_ms = host
             timing.host_ms = max(timing.host_ms, host_ms)
+            self.counters.host_s += host_ms / 1e3
             try:
                 pixels.append(self.encoder.materialize([q.item], [prepared])[0])
                 good.append(i)
@@ -411,6 +421,7 @@ class RankBatcher:
         clock.mark()
         timing.device_ms, timing.forward_ms = clock.spans_ms()
         self.counters.forward_s += timing.forward_ms / 1e3
+        self.counters.device_s += timing.device_ms / 1e3
         return results, clock.marks[-1] if clock.cuda else None
 
     def _copy_stage(self, on_device: list, done: Any, timing: _Timing) -> list:
@@ -427,9 +438,12 @@ class RankBatcher:
                     if isinstance(r, torch.Tensor):
                         r.record_stream(stream)  # not reused before this copy ends
                 results = [_to_host(r) for r in on_device]
+        copied = time.perf_counter()
         if self._keep is not None:
             results = [self._kept(r) for r in results]
         timing.copy_ms = (time.perf_counter() - started) * 1e3
+        self.counters.copy_s += copied - started
+        self.counters.store_s += time.perf_counter() - copied
         return results
 
     def _kept(self, result: Any) -> Any:
