@@ -39,7 +39,7 @@ from kimi_encoder.items import (
 )
 
 from . import request_json
-from .args import AppArgs, BodyPace
+from .args import BodyPace, ModelArgs, RequestLimits
 from .schemas import EncodeRequest, ImageItem, ResponseFormat, VllmEcOutput
 
 FORM_FIELDS = ("image", "response_format", "backend", "feature_dtype")
@@ -119,11 +119,16 @@ class Admitted:
 
 @dataclass(frozen=True)
 class Admission:
-    """What admission needs: the checkpoint's configs, the default backend and the limits."""
+    """What admission needs: the checkpoint's configs, the request limits, the body pace,
+    the model as the ranks run it (the defaults of a request: backend, feature dtype; the
+    model's dtype) and whether output kind 'vllm_ec' has a directory to go to."""
 
     vision: VisionConfig
     preprocess: PreprocessConfig
-    args: AppArgs
+    limits: RequestLimits
+    pace: BodyPace
+    model: ModelArgs
+    vllm_ec: bool = False
 
     async def admit(self, request: Request) -> Admitted:
         """A ``POST /v1/encode`` body: JSON (``EncodeRequest``) or multipart ``image`` files."""
@@ -136,17 +141,17 @@ class Admission:
         # Read (at most max_request_bytes, at the body pace) first, then parse from memory:
         # a chunked upload without a Content-Length can neither fill the memory nor the
         # temp-file disk, and a trickling one cannot hold its slot for long.
-        body = await read_body(request.stream(), self.args.max_request_bytes, self.args.body_pace)
+        body = await read_body(request.stream(), self.limits.max_request_bytes, self.pace)
         if kind == "multipart/form-data":
             return await self._admit_form(Request(request.scope, replay(body)))
         return self.admit_json(EncodeRequest.model_validate(parse_json(body)))
 
     async def _admit_form(self, request: Request) -> Admitted:
-        limit = self.args.max_images_per_request + 1
+        limit = self.limits.max_images_per_request + 1
         try:
             form = await request.form(max_files=limit, max_fields=limit + 8)
         except HTTPException as exc:  # starlette's MultiPartException, as a 400
-            raise _multipart_error(str(exc.detail), self.args.max_images_per_request) from None
+            raise _multipart_error(str(exc.detail), self.limits.max_images_per_request) from None
         try:
             unknown = sorted(set(form.keys()) - set(FORM_FIELDS))
             if unknown:
@@ -175,16 +180,16 @@ class Admission:
     def backend(self, requested: str | None) -> str:
         """The request's backend: its own choice ('gpu'/'cpu') or the configured default."""
         if requested is None:
-            return self.args.default_backend
+            return self.model.preprocess_backend
         if requested not in BACKENDS:
             raise EncoderInputError(str(unsupported_backend(requested)))
         return requested
 
     def check_body_size(self, size: int) -> None:
-        if size > self.args.max_request_bytes:
+        if size > self.limits.max_request_bytes:
             raise LimitExceededError(
                 f"request body is {size} bytes, over max_request_bytes="
-                f"{self.args.max_request_bytes}; send fewer or smaller images per request."
+                f"{self.limits.max_request_bytes}; send fewer or smaller images per request."
             )
 
     def admit_json(self, request: EncodeRequest) -> Admitted:
@@ -202,10 +207,10 @@ class Admission:
             items += new
             sources += [index] * len(new)
             self._check_count(len(items))
-        dtype = request.feature_dtype or self.args.default_feature_dtype
+        dtype = request.feature_dtype or self.model.feature_dtype
         if request.output is not None:
             self._check_ec_output(request, len(items))
-            dtype = self.args.rank_dtype
+            dtype = self.model.dtype
         admitted = Admitted(items, sources, dtype, request.response_format, request.output)
         return self._checked(admitted)
 
@@ -213,11 +218,11 @@ class Admission:
         """An output of kind 'vllm_ec': configured, one valid, distinct uuid per item,
         JSON metadata in the model's dtype."""
         assert request.output is not None
-        if self.args.ec_root is None:
+        if not self.vllm_ec:
             raise OutputNotConfiguredError(
                 "output kind 'vllm_ec' needs an encoder-cache directory and this server has "
-                "none; set args.ec_root to the vLLM consumer's shared_storage_path (an "
-                "absolute directory the ingress can write) and redeploy."
+                "none; set the app's args handoff.ec_root to the vLLM consumer's "
+                "shared_storage_path (an absolute directory the ingress can write) and redeploy."
             )
         uuids = request.output.uuids
         if len(uuids) != count:
@@ -230,9 +235,9 @@ class Admission:
                 f"output kind 'vllm_ec' answers JSON metadata, not {request.response_format!r}; "
                 "drop response_format."
             )
-        if request.feature_dtype not in (None, self.args.rank_dtype):
+        if request.feature_dtype not in (None, self.model.dtype):
             raise EncoderInputError(
-                f"output kind 'vllm_ec' stores the model's dtype ({self.args.rank_dtype}), not "
+                f"output kind 'vllm_ec' stores the model's dtype ({self.model.dtype}), not "
                 f"{request.feature_dtype!r}; drop feature_dtype."
             )
         first: dict[str, int] = {}
@@ -263,12 +268,12 @@ class Admission:
         if digests is not None:
             for item, digest in zip(items, digests, strict=True):
                 item.image_sha256 = digest
-        dtype = feature_dtype or self.args.default_feature_dtype
+        dtype = feature_dtype or self.model.feature_dtype
         return self._checked(Admitted(items, list(range(len(items))), dtype))
 
     def _plan(self, data: bytes, backend: str, index: int) -> EncoderItem:
         return plan_image(
-            data, self.preprocess, backend, max_pixels=self.args.max_image_pixels, index=index
+            data, self.preprocess, backend, max_pixels=self.limits.max_image_pixels, index=index
         )
 
     def _split(self, entry: ImageItem, index: int) -> list[EncoderItem]:
@@ -282,18 +287,18 @@ class Admission:
         return split
 
     def _check_count(self, count: int) -> None:
-        if count > self.args.max_images_per_request:
+        if count > self.limits.max_images_per_request:
             raise LimitExceededError(
                 f"request has more than max_images_per_request="
-                f"{self.args.max_images_per_request} images (after splitting aggregated "
+                f"{self.limits.max_images_per_request} images (after splitting aggregated "
                 "items); split it into several requests."
             )
 
     def _checked(self, admitted: Admitted) -> Admitted:
-        if admitted.patches > self.args.max_patches_per_request:
+        if admitted.patches > self.limits.max_patches_per_request:
             raise LimitExceededError(
                 f"request needs {admitted.patches} patches, over max_patches_per_request="
-                f"{self.args.max_patches_per_request}; send fewer or smaller images."
+                f"{self.limits.max_patches_per_request}; send fewer or smaller images."
             )
         return admitted
 

@@ -3,12 +3,14 @@
 Configs name it as ``import_path: deployments.app:build_app``; Serve validates
 the ``args:`` block into ``AppArgs`` (a bad value fails the deploy). Every
 deployment option comes from ``AppArgs``: ``dp_size`` ranks, each with
-``rank_actor_options`` and ``rank_options``, ``ingress_replicas`` ingress
-replicas with ``ingress_options``, and one ``HandoffRegistry`` replica (the
-sglang receive addresses all ingress replicas share, no CPU reserved). A
-config's ``deployments:`` entries are only for overriding one deployment; one
-that gives a rank other resources than ``rank_actor_options`` is refused when
-that rank starts (``rank.check_resources``).
+``ranks.actor_options`` and ``ranks.serve_options``, ``ingress.replicas`` ingress
+replicas with ``ingress.actor_options`` and ``ingress.serve_options``, and one
+``HandoffRegistry`` replica (the sglang receive addresses all ingress replicas
+share, no CPU reserved). Each deployment is bound with its own sections of the
+args, never the whole. A config's ``deployments:`` entries are only for
+overriding one deployment; one that gives a rank other resources than
+``ranks.actor_options`` is refused when that rank starts
+(``rank.check_resources``).
 """
 
 # No `from __future__ import annotations` here: Serve reads build_app's parameter
@@ -55,35 +57,46 @@ def bind_app(
     # config overrides; the rank is known even in local testing mode. RequestRouter is
     # alpha, its replica metadata goes stale when ranks are reassigned, and a router with
     # no matching replica spins unless it sets should_backoff.
+    model = args.model_as_run
+    rank_options = args.ranks.serve_options.model_dump()
     ranks = [
         serve.deployment(EncoderRank)
         .options(
             name=rank_name(rank),
             num_replicas=1,
-            ray_actor_options=args.rank_actor_options.model_dump() | args.replica_env(),
-            **args.rank_options.model_dump(),
+            ray_actor_options=args.ranks.actor_options.model_dump() | args.replica_env(),
+            **rank_options,
         )
-        .bind(rank, args, encoder_factory)
+        .bind(rank, model, args.ranks_as_run, args.ingress_cache_share, encoder_factory)
         for rank in range(args.dp_size)
     ]
+    ingress_options = args.ingress.serve_options
     ingress = serve.deployment(EncodeServer).options(
         name=INGRESS_NAME,
-        num_replicas=args.ingress_replicas,
-        ray_actor_options=args.ingress_actor_options.model_dump() | args.replica_env(),
+        num_replicas=args.ingress.replicas,
+        ray_actor_options=args.ingress.actor_options.model_dump() | args.replica_env(),
         backpressure_config=BACKPRESSURE,
-        **args.ingress_options.model_dump(),
+        **ingress_options.model_dump(),
     )
     # One replica: a part's /scheduler_receive_url and /encode may reach different
-    # ingress replicas. Each waiting part holds one call (up to handoff_max_pending).
+    # ingress replicas. Each waiting part holds one call (up to handoff.max_pending).
     registry = serve.deployment(HandoffRegistry).options(
         name=REGISTRY_NAME,
         num_replicas=1,
-        ray_actor_options=args.ingress_actor_options.model_dump()
+        ray_actor_options=args.ingress.actor_options.model_dump()
         | args.replica_env()
         | {"num_cpus": 0},
-        max_ongoing_requests=args.handoff_max_pending + REGISTRY_SLOTS,
-        max_queued_requests=args.handoff_max_pending,
-        graceful_shutdown_wait_loop_s=args.ingress_options.graceful_shutdown_wait_loop_s,
-        graceful_shutdown_timeout_s=args.ingress_options.graceful_shutdown_timeout_s,
+        max_ongoing_requests=args.handoff.max_pending + REGISTRY_SLOTS,
+        max_queued_requests=args.handoff.max_pending,
+        graceful_shutdown_wait_loop_s=ingress_options.graceful_shutdown_wait_loop_s,
+        graceful_shutdown_timeout_s=ingress_options.graceful_shutdown_timeout_s,
     )
-    return ingress.bind(ranks, args, registry.bind(args))
+    return ingress.bind(
+        ranks,
+        registry.bind(args.handoff),
+        model,
+        args.ingress,
+        args.dispatch,
+        args.handoff,
+        rank_cache=args.ranks.cache_bytes > 0,
+    )

@@ -1,19 +1,27 @@
-"""``AppArgs``: the builder arguments of ``build_app`` (the ``args:`` block of a config)."""
+"""``AppArgs``: the builder arguments of ``build_app`` (the ``args:`` block of a config),
+grouped by the component that reads them.
+
+``model`` (the checkpoint and its dtypes: ranks and ingress), ``dp_size``, ``ranks``
+(``EncoderRank`` and its ``RankBatcher``), ``ingress`` (``EncodeServer``, its
+``Admission``), ``dispatch`` (owner assignment and failover at the ingress:
+``Dispatcher``, ``FanOut``, ``RankHealth``), ``handoff`` (the engine hand-off:
+``Handoff``, ``HandoffRegistry``) and ``glibc_tunables`` (every replica process).
+``build_app`` hands each component its own section and the few values derived from
+others (the model as the ranks run it, the object-store share of the ingress cache).
+The runtime imports these models; this module imports no runtime code.
+"""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import PurePath
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
-
-from .batcher import BatchingConfig
 
 # What the replica processes ask of glibc's malloc: never hand a large block its own mmap
 # (mmap_max=0), and give memory back to the kernel only when more than 256 MB is free at
@@ -28,21 +36,6 @@ from .batcher import BatchingConfig
 # The price: up to trim_threshold of freed memory stays resident per heap.
 GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456"
 TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
-
-
-@dataclass(frozen=True)
-class BodyPace:
-    """How fast a body must arrive: all of it within ``timeout_s``, and after ``grace_s``
-    at least ``min_bytes_per_s`` on average (a real client on a slow link passes; one
-    that trickles bytes to hold a connection does not)."""
-
-    timeout_s: float = 60.0
-    grace_s: float = 10.0
-    min_bytes_per_s: float = 16384.0
-
-    def deadline(self, received: int) -> float:
-        """Seconds since the body's start by which more than ``received`` bytes must be in."""
-        return min(self.timeout_s, max(self.grace_s, received / self.min_bytes_per_s))
 
 
 class ActorOptions(BaseModel):
@@ -60,6 +53,10 @@ class ActorOptions(BaseModel):
         description="Custom Ray resources per replica, e.g. {encoder_slot: 1} with one slot per "
         "node to spread ranks over nodes (ray start --resources='{\"encoder_slot\": 1}').",
     )
+
+    def ray_resources(self) -> dict[str, float]:
+        """These options in Ray's resource names (what a replica is assigned)."""
+        return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
 
 
 class ServeOptions(BaseModel):
@@ -116,8 +113,9 @@ class ImageUrlOptions(BaseModel):
         return FetchPolicy(**self.model_dump())
 
 
-class AppArgs(BaseModel):
-    """Arguments of the encode server. Validation errors fail the deploy."""
+class ModelArgs(BaseModel):
+    """The checkpoint and how the ranks compute: read by every rank (its encoder) and by
+    the ingress (the checkpoint's configs, the defaults of a request)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -126,11 +124,11 @@ class AppArgs(BaseModel):
         description="Kimi-K3/K2.5 checkpoint directory (original format), or a preset name "
         "(tiny, small, k3, k25). Presets get seeded random weights: meaningless features.",
     )
-    dp_size: int = Field(
-        1, ge=1, description="Number of encoder ranks (vision data parallelism); one per GPU."
-    )
+    seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="Device of each rank; 'auto' means cuda when num_gpus > 0, else cpu."
+        "auto",
+        description="Device of each rank; 'auto' means cuda when the ranks have GPUs "
+        "(ranks.actor_options.num_gpus > 0), else cpu.",
     )
     dtype: Literal["auto", FeatureDtype] = Field(
         "auto", description=f"Weights and compute dtype of the ranks; 'auto': {AUTO_RULE}."
@@ -145,49 +143,111 @@ class AppArgs(BaseModel):
         description="Default pixel pipeline: 'gpu' (torch ops on the rank's device), 'cpu' "
         "(PIL) or 'auto' (gpu on a cuda rank, else cpu). Requests may override with gpu/cpu.",
     )
-    rank_actor_options: ActorOptions = Field(
+
+    @field_validator("preprocess_backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        resolve_backend(value, "cpu")  # raises the library's unsupported-backend error
+        return value
+
+    def resolved(self, num_gpus: float) -> ModelArgs:
+        """This section as ranks with ``num_gpus`` GPUs each run it: no 'auto', no None."""
+        device = self.device if self.device != "auto" else ("cuda" if num_gpus > 0 else "cpu")
+        dtype = self.dtype if self.dtype != "auto" else auto_dtype(device)
+        return self.model_copy(
+            update={
+                "device": device,
+                "dtype": dtype,
+                "feature_dtype": self.feature_dtype or dtype,
+                "preprocess_backend": resolve_backend(self.preprocess_backend, device),
+            }
+        )
+
+
+class BatchingArgs(BaseModel):
+    """How a rank batches the images of concurrent calls (``RankBatcher``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_patches: int = Field(
+        16384,
+        ge=1,
+        description="Patch budget of one forward on a rank: images of concurrent requests are "
+        "batched up to it (an image larger than it runs alone).",
+    )
+    max_batch_wait_ms: float = Field(
+        2.0,
+        ge=0,
+        description="Longest a queued image waits on an idle rank for others to join its batch.",
+    )
+    decode_threads: int = Field(
+        2,
+        ge=1,
+        description="Threads per rank that decode and preprocess images ahead of the forward "
+        "(PIL releases the GIL); about the rank's CPU allotment on a GPU node.",
+    )
+
+
+class RankArgs(BaseModel):
+    """Every encoder rank: its resources, Serve options, batching, cache and memory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    actor_options: ActorOptions = Field(
         default_factory=ActorOptions, description="Resources of each encoder rank."
     )
     # Cross-request batching needs calls in flight, and load reports must get in while a
     # rank is busy: a rank holds many cheap awaiting calls.
-    rank_options: ServeOptions = Field(
+    serve_options: ServeOptions = Field(
         default_factory=lambda: ServeOptions(max_ongoing_requests=64, max_queued_requests=64),
         description="Serve options of every rank (queue limits, health checks, shutdown).",
     )
-    body_timeout_s: float = Field(
-        60, gt=0, description="Longest a request body may take to arrive (408 past it)."
+    batching: BatchingArgs = Field(
+        default_factory=BatchingArgs,
+        description="Cross-request batching: patch budget, wait, decode threads.",
     )
-    body_grace_s: float = Field(
-        10, ge=0, description="Seconds a body may arrive at any pace before body_min_bytes_per_s."
+    cache_bytes: int = Field(
+        256 << 20,
+        ge=0,
+        description="Per-rank LRU feature cache in bytes, kept in Ray's object store (0 "
+        "disables it and cache affinity).",
     )
-    body_min_bytes_per_s: float = Field(
-        16384,
-        gt=0,
-        description="Slowest average pace a body may arrive at after body_grace_s (408 below); "
-        "16 KiB/s lets a client on a slow link through and stops one that trickles bytes.",
+    # Small sides: calibration must stay a few seconds on a CPU; GPU configs add larger ones.
+    calibration_grids: list[int] = Field(
+        [8, 16, 32],
+        description="Sides (in patches) of the square images each rank times at start-up to fit "
+        "the cost model (dispatch.cost_model 'fitted'); even numbers; empty: no calibration "
+        "(patch counts).",
     )
-    max_concurrent_bodies: int = Field(
-        256,
+    max_inflight_bytes: int = Field(
+        1 << 30,
         ge=1,
-        description="Request bodies one ingress replica reads at once; past it a request gets "
-        "503 with Retry-After at once (slow uploads cannot take the encode path's slots).",
+        description="Memory lease budget of each rank: input bytes plus float32 pixels and "
+        "features of the images it holds at once; more images wait (one larger than the "
+        "budget runs alone).",
     )
-    ingress_replicas: int = Field(
-        1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
-    )
-    # The ingress parses headers and moves arrays: by default it reserves nothing.
-    ingress_actor_options: ActorOptions = Field(
-        default_factory=ActorOptions,
-        description="Resources of each ingress replica (no GPU), e.g. resources {head: 0.01} "
-        "to keep it on the head node.",
-    )
-    ingress_options: ServeOptions = Field(
-        # Many: a request waiting for its body or its ranks costs the ingress little, and
-        # bodies are capped by max_concurrent_bodies.
-        default_factory=lambda: ServeOptions(max_ongoing_requests=1024, max_queued_requests=64),
-        description="Serve options of each ingress replica.",
-    )
-    seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
+
+    @field_validator("calibration_grids")
+    @classmethod
+    def _even_grids(cls, value: list[int]) -> list[int]:
+        bad = [side for side in value if side < 2 or side % 2]
+        if bad:
+            raise ValueError(
+                f"calibration_grids must be even sides >= 2 (the 2x2 patch merge), got {bad}."
+            )
+        return value
+
+    @property
+    def num_threads(self) -> int:
+        """torch threads of each rank's forward: its CPU allotment, at least one."""
+        return max(1, int(self.actor_options.num_cpus))
+
+
+class RequestLimits(BaseModel):
+    """What one request may hold; admission refuses more (413)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     max_request_bytes: int = Field(
         64 << 20, ge=1, description="Largest accepted HTTP body in bytes (413 above)."
     )
@@ -200,6 +260,67 @@ class AppArgs(BaseModel):
     max_patches_per_request: int = Field(
         1 << 20, ge=1, description="Most patches (sum of t*h*w over all images) per request (413)."
     )
+
+
+class BodyPace(BaseModel):
+    """How fast a body must arrive: all of it within ``timeout_s``, and after ``grace_s``
+    at least ``min_bytes_per_s`` on average (a real client on a slow link passes; one
+    that trickles bytes to hold a connection does not)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    timeout_s: float = Field(
+        60.0, gt=0, description="Longest a request body may take to arrive (408 past it)."
+    )
+    grace_s: float = Field(
+        10.0, ge=0, description="Seconds a body may arrive at any pace before min_bytes_per_s."
+    )
+    # 16 KiB/s lets a client on a slow link through and stops one that trickles bytes.
+    min_bytes_per_s: float = Field(
+        16384.0,
+        gt=0,
+        description="Slowest average pace a body may arrive at after grace_s (408 below).",
+    )
+
+    def deadline(self, received: int) -> float:
+        """Seconds since the body's start by which more than ``received`` bytes must be in."""
+        return min(self.timeout_s, max(self.grace_s, received / self.min_bytes_per_s))
+
+
+class IngressArgs(BaseModel):
+    """The HTTP ingress (``EncodeServer``): its replicas, admission and ingress cache."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(
+        1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
+    )
+    # The ingress parses headers and moves arrays: by default it reserves nothing.
+    actor_options: ActorOptions = Field(
+        default_factory=ActorOptions,
+        description="Resources of each ingress replica (no GPU), e.g. resources {head: 0.01} "
+        "to keep it on the head node.",
+    )
+    serve_options: ServeOptions = Field(
+        # Many: a request waiting for its body or its ranks costs the ingress little, and
+        # bodies are capped by max_concurrent_bodies.
+        default_factory=lambda: ServeOptions(max_ongoing_requests=1024, max_queued_requests=64),
+        description="Serve options of each ingress replica.",
+    )
+    limits: RequestLimits = Field(
+        default_factory=RequestLimits,
+        description="Most bytes, images, pixels and patches of one request (413 above).",
+    )
+    body_pace: BodyPace = Field(
+        default_factory=BodyPace,
+        description="How fast a request body must arrive (408 when it falls behind).",
+    )
+    max_concurrent_bodies: int = Field(
+        256,
+        ge=1,
+        description="Request bodies one ingress replica reads at once; past it a request gets "
+        "503 with Retry-After at once (slow uploads cannot take the encode path's slots).",
+    )
     # Below the proxy's http_options.request_timeout_s, so clients get this 504, not a 408.
     request_timeout_s: float = Field(
         60, gt=0, description="Longest wait for the ranks' features, in seconds (504 above)."
@@ -209,85 +330,44 @@ class AppArgs(BaseModel):
         description="File holding the API key that requests must send as 'Authorization: "
         "Bearer <key>' (or set $KIMI_ENCODER_API_KEY instead). None: no key required.",
     )
-    max_batch_patches: int = Field(
-        16384,
-        ge=1,
-        description="Patch budget of one forward on a rank: images of concurrent requests are "
-        "batched up to it (an image larger than it runs alone).",
-    )
-    decode_threads: int = Field(
-        2,
-        ge=1,
-        description="Threads per rank that decode and preprocess images ahead of the forward "
-        "(PIL releases the GIL); about the rank's CPU allotment on a GPU node.",
-    )
-    max_batch_wait_ms: float = Field(
-        2.0,
+    cache_bytes: int = Field(
+        0,
         ge=0,
-        description="Longest a queued image waits on an idle rank for others to join its batch.",
+        description="Per-ingress-replica LRU, in bytes of features, of the features the ranks' "
+        "caches wrote into Ray's object store, as this replica read them: a repeated image is "
+        "then answered by the ingress without a rank call. A held entry stays in the object "
+        "store after its rank's cache drops it, so the store holds up to dp_size x "
+        "ranks.cache_bytes + replicas x this; needs ranks.cache_bytes > 0. 0 disables it.",
     )
+
+    @field_validator("actor_options")
+    @classmethod
+    def _without_gpu(cls, value: ActorOptions) -> ActorOptions:
+        if value.num_gpus:
+            raise ValueError(
+                f"ingress.actor_options.num_gpus must be 0 (got {value.num_gpus}): the ingress "
+                "never touches a GPU; give GPUs to ranks.actor_options."
+            )
+        return value
+
+
+class DispatchArgs(BaseModel):
+    """How the ingress sends images to ranks: owner assignment (``Dispatcher``) and what
+    it does about a slow or failed rank (``FanOut``, ``RankHealth``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     cost_model: Literal["fitted", "patches"] = Field(
         "fitted",
         description="Cost of an image in owner assignment: 'fitted' (a*p^2 + b*p + c, timed by "
-        "each rank at start-up) or 'patches' (its patch count, the reference rule).",
+        "each rank at start-up over ranks.calibration_grids) or 'patches' (its patch count, "
+        "the reference rule).",
     )
-    # Small sides: calibration must stay a few seconds on a CPU; GPU configs add larger ones.
-    calibration_grids: list[int] = Field(
-        [8, 16, 32],
-        description="Sides (in patches) of the square images each rank times at start-up to fit "
-        "the cost model; even numbers; empty: no calibration (patch counts).",
-    )
-    feature_cache_bytes: int = Field(
-        256 << 20,
-        ge=0,
-        description="Per-rank LRU feature cache in bytes (0 disables it and cache affinity).",
-    )
-    ingress_cache_bytes: int = Field(
-        0,
-        ge=0,
-        description="Per-ingress-replica LRU, in bytes of features, of references to the "
-        "features the ranks' caches wrote into Ray's object store: a repeated image is then "
-        "answered by the ingress without a rank call. A referenced entry stays in the object "
-        "store after its rank's cache drops it, so the store holds up to dp_size x "
-        "feature_cache_bytes + ingress_replicas x this; needs feature_cache_bytes > 0. 0 "
-        "disables it.",
-    )
-    cache_affinity_tolerance: float = Field(
+    affinity_tolerance: float = Field(
         0.25,
         ge=0,
         description="A repeated image goes to the rank caching it while that rank's load is at "
         "most (1 + tolerance) x the finish of encoding it on the least-loaded rank.",
-    )
-    max_inflight_bytes: int = Field(
-        1 << 30,
-        ge=1,
-        description="Memory lease budget of each rank: input bytes plus float32 pixels and "
-        "features of the images it holds at once; more images wait (one larger than the "
-        "budget runs alone).",
-    )
-    rank_route_timeout_s: float = Field(
-        0.3,
-        gt=0,
-        description="How long an encode call may wait for Serve to route it to a replica of "
-        "its rank before the rank counts as slow (dead, restarting, full or starved) and the "
-        "call's images go to the other ranks too, while it goes on routing; also the longest a "
-        "load poll waits to be routed.",
-    )
-    rank_slow_after_s: float = Field(
-        1.0,
-        gt=0,
-        description="A rank call with no answer after max(this, rank_slow_factor x the time the "
-        "fitted cost model expects) makes the rank slow: no new work, and the call's images are "
-        "sent to the other ranks too (first answer wins).",
-    )
-    rank_slow_factor: float = Field(
-        3.0, ge=1, description="Slack over the expected time before a call counts as late."
-    )
-    rank_cooldown_s: float = Field(
-        2.0,
-        gt=0,
-        description="After an unavailable error (rank died, being replaced, queue full) the "
-        "ingress sends a rank no work for this long, then tries it again.",
     )
     load_report_interval_ms: float = Field(
         50.0,
@@ -297,6 +377,36 @@ class AppArgs(BaseModel):
         "the background once a rank has reported). 0: every request waits for fresh reports "
         "(exact loads across ingress replicas, one poll's latency per request).",
     )
+    route_timeout_s: float = Field(
+        0.3,
+        gt=0,
+        description="How long an encode call may wait for Serve to route it to a replica of "
+        "its rank before the rank counts as slow (dead, restarting, full or starved) and the "
+        "call's images go to the other ranks too, while it goes on routing; also the longest a "
+        "load poll waits to be routed.",
+    )
+    slow_after_s: float = Field(
+        1.0,
+        gt=0,
+        description="A rank call with no answer after max(this, slow_factor x the time the "
+        "fitted cost model expects) makes the rank slow: no new work, and the call's images are "
+        "sent to the other ranks too (first answer wins).",
+    )
+    slow_factor: float = Field(
+        3.0, ge=1, description="Slack over the expected time before a call counts as late."
+    )
+    cooldown_s: float = Field(
+        2.0,
+        gt=0,
+        description="After an unavailable error (rank died, being replaced, queue full) the "
+        "ingress sends a rank no work for this long, then tries it again.",
+    )
+
+
+class HandoffArgs(BaseModel):
+    """The engine hand-off: sglang's /encode parts and vLLM's encoder-cache files."""
+
+    model_config = ConfigDict(extra="forbid")
 
     image_urls: ImageUrlOptions = Field(
         default_factory=ImageUrlOptions,
@@ -310,39 +420,30 @@ class AppArgs(BaseModel):
         "that output is refused.",
     )
     # sglang's prefill gives up on a part after SGLANG_ENCODER_RECV_TIMEOUT (180 s).
-    handoff_wait_s: float = Field(
+    wait_s: float = Field(
         30.0,
         gt=0,
         description="Longest an /encode part waits for its scheduler ranks' "
-        "/scheduler_receive_url addresses (zmq_to_scheduler); the part's request_timeout_s "
-        "caps it.",
+        "/scheduler_receive_url addresses (zmq_to_scheduler); the part's request timeout "
+        "(ingress.request_timeout_s) caps it.",
     )
-    handoff_send_timeout_s: float = Field(
+    send_timeout_s: float = Field(
         10.0,
         gt=0,
         description="Longest a push of a part's frames to one prefill address may wait (a "
         "receiver that is gone or not reading costs this once).",
     )
-    handoff_max_pending: int = Field(
+    max_pending: int = Field(
         4096,
         ge=1,
         description="Parts whose receive addresses are awaited or held at once, over all "
         "ingress replicas; past it /encode and /scheduler_receive_url answer 503.",
     )
-    handoff_address_ttl_s: float = Field(
+    address_ttl_s: float = Field(
         180.0,
         gt=0,
         description="Registered receive addresses whose /encode never came are forgotten "
         "after this many seconds.",
-    )
-
-    glibc_tunables: str = Field(
-        GLIBC_TUNABLES,
-        description="GLIBC_TUNABLES of the app's replica processes (ingress, ranks, hand-off "
-        "registry): the default keeps glibc's malloc from mapping and unmapping a fresh "
-        "block for each multi-MB answer body (no per-block mmap, freed memory kept up to "
-        "256 MB per heap), so each body reuses pages already faulted in; '' leaves the "
-        "cluster's environment as it is.",
     )
 
     @field_validator("ec_root")
@@ -354,6 +455,107 @@ class AppArgs(BaseModel):
                 "shared_storage_path as it is mounted on the ingress's node."
             )
         return value
+
+
+# Where each key of the flat args of earlier releases now lives.
+MOVED = {
+    **{key: f"model.{key}" for key in ModelArgs.model_fields},
+    "rank_actor_options": "ranks.actor_options",
+    "rank_options": "ranks.serve_options",
+    **{key: f"ranks.batching.{key}" for key in BatchingArgs.model_fields},
+    "feature_cache_bytes": "ranks.cache_bytes",
+    "calibration_grids": "ranks.calibration_grids",
+    "max_inflight_bytes": "ranks.max_inflight_bytes",
+    "ingress_replicas": "ingress.replicas",
+    "ingress_actor_options": "ingress.actor_options",
+    "ingress_options": "ingress.serve_options",
+    **{key: f"ingress.limits.{key}" for key in RequestLimits.model_fields},
+    "body_timeout_s": "ingress.body_pace.timeout_s",
+    "body_grace_s": "ingress.body_pace.grace_s",
+    "body_min_bytes_per_s": "ingress.body_pace.min_bytes_per_s",
+    "max_concurrent_bodies": "ingress.max_concurrent_bodies",
+    "request_timeout_s": "ingress.request_timeout_s",
+    "api_key_file": "ingress.api_key_file",
+    "ingress_cache_bytes": "ingress.cache_bytes",
+    "cost_model": "dispatch.cost_model",
+    "cache_affinity_tolerance": "dispatch.affinity_tolerance",
+    "load_report_interval_ms": "dispatch.load_report_interval_ms",
+    "rank_route_timeout_s": "dispatch.route_timeout_s",
+    "rank_slow_after_s": "dispatch.slow_after_s",
+    "rank_slow_factor": "dispatch.slow_factor",
+    "rank_cooldown_s": "dispatch.cooldown_s",
+    "image_urls": "handoff.image_urls",
+    "ec_root": "handoff.ec_root",
+    "handoff_wait_s": "handoff.wait_s",
+    "handoff_send_timeout_s": "handoff.send_timeout_s",
+    "handoff_max_pending": "handoff.max_pending",
+    "handoff_address_ttl_s": "handoff.address_ttl_s",
+}
+
+
+def nested(path: str) -> str:
+    """``ranks.batching.max_batch_patches`` as YAML: ``ranks: {batching: {max_batch_patches:
+    ...}}``."""
+    head, _, rest = path.partition(".")
+    return f"{head}: {{{nested(rest)}}}" if rest else f"{head}: ..."
+
+
+class AppArgs(BaseModel):
+    """Arguments of the encode server, one section per component. Validation errors fail
+    the deploy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelArgs = Field(
+        default_factory=ModelArgs,
+        description="The checkpoint, its seed, the ranks' device and dtypes, the default "
+        "preprocessing backend.",
+    )
+    dp_size: int = Field(
+        1, ge=1, description="Number of encoder ranks (vision data parallelism); one per GPU."
+    )
+    ranks: RankArgs = Field(
+        default_factory=RankArgs,
+        description="Every encoder rank: resources, Serve options, batching, feature cache, "
+        "calibration, memory leases.",
+    )
+    ingress: IngressArgs = Field(
+        default_factory=IngressArgs,
+        description="The HTTP ingress: replicas, resources, Serve options, request limits, "
+        "body pace, timeout, API key, ingress cache.",
+    )
+    dispatch: DispatchArgs = Field(
+        default_factory=DispatchArgs,
+        description="Owner assignment and failover at the ingress: cost model, cache "
+        "affinity, load reports, slow and failed ranks.",
+    )
+    handoff: HandoffArgs = Field(
+        default_factory=HandoffArgs,
+        description="The engine hand-off: image URLs, vLLM's encoder-cache directory, "
+        "sglang's receive addresses.",
+    )
+    glibc_tunables: str = Field(
+        GLIBC_TUNABLES,
+        description="GLIBC_TUNABLES of the app's replica processes (ingress, ranks, hand-off "
+        "registry): the default keeps glibc's malloc from mapping and unmapping a fresh "
+        "block for each multi-MB answer body (no per-block mmap, freed memory kept up to "
+        "256 MB per heap), so each body reuses pages already faulted in; '' leaves the "
+        "cluster's environment as it is.",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        """A flat key of earlier releases fails naming where it lives now."""
+        if not isinstance(data, dict):
+            return data
+        moved = [key for key in data if key in MOVED]
+        if moved:
+            raise ValueError(
+                " ".join(f"`{key}` moved: write it as `{nested(MOVED[key])}`." for key in moved)
+                + " (args are grouped by component; see docs/api.md, Configuration)"
+            )
+        return data
 
     @field_validator("glibc_tunables")
     @classmethod
@@ -367,101 +569,46 @@ class AppArgs(BaseModel):
             )
         return value
 
-    @field_validator("calibration_grids")
-    @classmethod
-    def _even_grids(cls, value: list[int]) -> list[int]:
-        bad = [side for side in value if side < 2 or side % 2]
-        if bad:
-            raise ValueError(
-                f"calibration_grids must be even sides >= 2 (the 2x2 patch merge), got {bad}."
-            )
-        return value
-
-    @field_validator("preprocess_backend")
-    @classmethod
-    def _known_backend(cls, value: str) -> str:
-        resolve_backend(value, "cpu")  # raises the library's unsupported-backend error
-        return value
-
-    @field_validator("ingress_actor_options")
-    @classmethod
-    def _ingress_without_gpu(cls, value: ActorOptions) -> ActorOptions:
-        if value.num_gpus:
-            raise ValueError(
-                f"ingress_actor_options.num_gpus must be 0 (got {value.num_gpus}): the ingress "
-                "never touches a GPU; give GPUs to rank_actor_options."
-            )
-        return value
-
     @model_validator(mode="after")
     def _cuda_needs_gpus(self) -> AppArgs:
-        if self.device == "cuda" and self.rank_actor_options.num_gpus <= 0:
+        gpus = self.ranks.actor_options.num_gpus
+        if self.model.device == "cuda" and gpus <= 0:
             raise ValueError(
-                "device 'cuda' needs rank_actor_options.num_gpus >= 1 (got "
-                f"{self.rank_actor_options.num_gpus}); set num_gpus: 1 or use device 'cpu'."
+                f"model.device 'cuda' needs ranks.actor_options.num_gpus >= 1 (got {gpus}); "
+                "set ranks: {actor_options: {num_gpus: 1}} or model: {device: cpu}."
             )
         return self
 
     @model_validator(mode="after")
     def _ingress_cache_needs_rank_cache(self) -> AppArgs:
-        if self.ingress_cache_bytes and not self.feature_cache_bytes:
+        if self.ingress.cache_bytes and not self.ranks.cache_bytes:
             raise ValueError(
-                f"ingress_cache_bytes={self.ingress_cache_bytes} keeps references to the "
-                "features the ranks' caches hold, but feature_cache_bytes is 0 (no rank "
-                "cache); set feature_cache_bytes > 0, or ingress_cache_bytes: 0."
+                f"ingress.cache_bytes={self.ingress.cache_bytes} keeps the features the ranks' "
+                "caches hold, but ranks.cache_bytes is 0 (no rank cache); set "
+                "ranks.cache_bytes > 0, or ingress.cache_bytes: 0."
             )
         return self
 
     @property
+    def model_as_run(self) -> ModelArgs:
+        """``model`` as the ranks run it (device, dtypes and backend resolved), for the ranks
+        and the ingress alike."""
+        return self.model.resolved(self.ranks.actor_options.num_gpus)
+
+    @property
+    def ranks_as_run(self) -> RankArgs:
+        """``ranks`` as each rank runs it: no calibration unless assignment uses it."""
+        if self.dispatch.cost_model == "fitted":
+            return self.ranks
+        return self.ranks.model_copy(update={"calibration_grids": []})
+
+    @property
     def ingress_cache_share(self) -> int:
         """Object-store bytes the ingress replicas' caches may keep alive, all together."""
-        return self.ingress_replicas * self.ingress_cache_bytes
+        return self.ingress.replicas * self.ingress.cache_bytes
 
     def replica_env(self) -> dict:
         """``ray_actor_options`` entries every replica of the app gets (its environment)."""
         if not self.glibc_tunables:
             return {}
         return {"runtime_env": {"env_vars": {"GLIBC_TUNABLES": self.glibc_tunables}}}
-
-    def rank_resources(self) -> dict[str, float]:
-        """Ray resources of each rank: ``ray_actor_options`` in Ray's resource names."""
-        actor = self.rank_actor_options
-        return {"CPU": actor.num_cpus, "GPU": actor.num_gpus, **actor.resources}
-
-    @property
-    def rank_device(self) -> str:
-        """The device each rank uses: 'auto' follows the rank's GPU allotment."""
-        if self.device != "auto":
-            return self.device
-        return "cuda" if self.rank_actor_options.num_gpus > 0 else "cpu"
-
-    def batching_config(self) -> BatchingConfig:
-        """The ranks' batching, cache and calibration settings."""
-        return BatchingConfig(
-            max_batch_patches=self.max_batch_patches,
-            max_batch_wait_ms=self.max_batch_wait_ms,
-            cache_bytes=self.feature_cache_bytes,
-            calibration_grids=tuple(self.calibration_grids) if self.cost_model == "fitted" else (),
-            decode_threads=self.decode_threads,
-        )
-
-    @property
-    def body_pace(self) -> BodyPace:
-        return BodyPace(self.body_timeout_s, self.body_grace_s, self.body_min_bytes_per_s)
-
-    @property
-    def rank_dtype(self) -> str:
-        """The ranks' dtype: 'auto' follows their device."""
-        if self.dtype != "auto":
-            return self.dtype
-        return auto_dtype(self.rank_device)
-
-    @property
-    def default_feature_dtype(self) -> str:
-        """The features' wire dtype of requests that do not choose one."""
-        return self.feature_dtype or self.rank_dtype
-
-    @property
-    def default_backend(self) -> str:
-        """'gpu' or 'cpu': the backend of requests that do not choose one."""
-        return resolve_backend(self.preprocess_backend, self.rank_device)

@@ -55,6 +55,8 @@ from kimi_encoder.features import dtype_name, torch_dtype
 from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
+from .args import BatchingArgs
+
 
 class _NotCached:
     """An image sent by digest whose features this rank's cache no longer holds: the
@@ -65,17 +67,6 @@ class _NotCached:
 
 
 NOT_CACHED = _NotCached()
-
-
-@dataclass(frozen=True)
-class BatchingConfig:
-    """What a rank needs beyond its model; AppArgs.batching_config() builds it."""
-
-    max_batch_patches: int = 16384
-    max_batch_wait_ms: float = 2.0
-    cache_bytes: int = 256 << 20
-    calibration_grids: tuple[int, ...] = (8, 16, 32)
-    decode_threads: int = 2
 
 
 @dataclass
@@ -155,17 +146,17 @@ class RankBatcher:
     def __init__(
         self,
         encoder: VisionEncoder,
-        config: BatchingConfig,
+        config: BatchingArgs,
         num_threads: int,
+        *,
+        cache_bytes: int = 0,
+        calibration_grids: Sequence[int] = (),
         keep: Callable[[torch.Tensor], Any] | None = None,
     ):
-        """``keep`` (optional) turns an image's host features into what is cached and
-        delivered (it must have ``nbytes``); it runs on the copy thread."""
-        if config.max_batch_patches < 1 or config.max_batch_wait_ms < 0:
-            raise ValueError(
-                f"max_batch_patches must be >= 1 and max_batch_wait_ms >= 0, got "
-                f"{config.max_batch_patches} and {config.max_batch_wait_ms}."
-            )
+        """A feature cache of ``cache_bytes`` (0: none); the cost model fitted over
+        ``calibration_grids`` (none: patch counts). ``keep`` (optional) turns an image's
+        host features into what is cached and delivered (it must have ``nbytes``); it runs
+        on the copy thread."""
         self.encoder = encoder
         self.config = config
         # One forward thread runs every device stage; torch's thread count is per thread
@@ -184,9 +175,9 @@ class RankBatcher:
         device = encoder.device
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._deliveries: set[asyncio.Task] = set()
-        self.cache = FeatureCache(config.cache_bytes)
+        self.cache = FeatureCache(cache_bytes)
         self.model_dtype = dtype_name(encoder.dtype)
-        self.cost_model, self.calibration = self._calibrate(config.calibration_grids)
+        self.cost_model, self.calibration = self._calibrate(calibration_grids)
         self.counters = BatchCounters()
         self._outstanding = _Outstanding()
         self._queue: deque[_Queued] = deque()
@@ -302,11 +293,7 @@ class RankBatcher:
         return {
             "num_threads": self.worker_threads,
             "cost_model": {**self.cost_model.as_dict(), **self.calibration},
-            "batching": {
-                "max_batch_patches": self.config.max_batch_patches,
-                "max_batch_wait_ms": self.config.max_batch_wait_ms,
-                "decode_threads": self.config.decode_threads,
-            },
+            "batching": self.config.model_dump(),
             "outstanding": {"images": total.images, "patches": total.patches},
             "cache": {"max_bytes": self.cache.max_bytes, **asdict(self.cache.stats)},
             **{

@@ -8,7 +8,7 @@ the rank that last encoded each repeated image (its cache holds it).
 
 Loads: this replica's own dispatched-and-unanswered work is tracked exactly
 (``dispatched``); the other replicas' comes from the ranks' ``load()`` reports,
-polled at most every ``load_report_interval_ms`` on the request path (awaited
+polled at most every ``dispatch.load_report_interval_ms`` on the request path (awaited
 when stale, shared by concurrent requests; nothing runs while idle). With one
 ingress replica the reports only carry the cost model.
 """
@@ -103,7 +103,7 @@ class Dispatcher:
 
         A request waits for the poll only when it has no recent view of some rank at all
         (never heard from, or not for ``REPORT_OUTDATED_S``), and then at most
-        ``report_timeout_s`` (``rank_route_timeout_s`` + 0.2 s): a rank that misses it
+        ``report_timeout_s`` (``dispatch.route_timeout_s`` + 0.2 s): a rank that misses it
         is reported silent and skipped from then on, so a hung rank holds no request.
         Otherwise the poll runs in the background and the request uses the reports it
         has. Every encode answer carries its rank's report too (``observe``), so a busy

@@ -14,14 +14,14 @@ sglang 0.5.23 (``kimi_encoder.engines.sglang``, docs/epd.md), three routes:
   for them as soon as it arrives, so that wait runs alongside the encode.
 - ``GET /health``: 200 while a rank answers.
 
-A part is answered within ``request_timeout_s``. A failure (an input refused, a
+A part is answered within ``ingress.request_timeout_s``. A failure (an input refused, a
 rank error, no receive address in time, a receiver gone) is pushed as the
 part's error frame, best effort in the time kept for it, and answered with its
 status and sglang's ``{"status": "error", "message", "req_id"}`` body.
 
 vLLM 0.33.0 (``kimi_encoder.engines.vllm``): a ``/v1/encode`` request with
 output kind ``vllm_ec`` has each item's features written as an encoder-cache
-file under ``ec_root`` (atomically) before it is answered with their metadata.
+file under ``handoff.ec_root`` (atomically) before it is answered with their metadata.
 
 Copies of the features on the ingress: frame 1 of a part is one buffer, the rank's
 array as it lies in the object store for a part of one image (no copy), else the
@@ -68,7 +68,7 @@ from kimi_encoder.items import EncoderInputError, EncoderItem
 
 from . import errors
 from .admission import Admission, Admitted, read_body
-from .args import AppArgs
+from .args import HandoffArgs
 from .fanout import Call, FanOut, Gathered, NoRankAvailableError, RequestTimeoutError
 from .metrics import RequestTrace
 from .schemas import EcEntry, EcWriteResponse, Usage
@@ -77,7 +77,7 @@ from .security import ApiKey
 log = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 1.0  # sglang's bootstrap server probes /health with a 2 s timeout
-# Kept out of request_timeout_s for pushing a failed part's error frame (at most 1/10).
+# Kept out of the request timeout for pushing a failed part's error frame (at most 1/10).
 ERROR_GRACE_S = 1.0
 INFO_TIMEOUT_S = 10.0
 REGISTRATION_BYTES = 64 << 10  # a /scheduler_receive_url body is a few short fields
@@ -100,9 +100,9 @@ class HandoffRegistry:
     ``ReceiverRegistry`` requires.
     """
 
-    def __init__(self, args: AppArgs):
+    def __init__(self, handoff: HandoffArgs):
         self.registry = ReceiverRegistry(
-            ttl_s=args.handoff_address_ttl_s, max_entries=args.handoff_max_pending
+            ttl_s=handoff.address_ttl_s, max_entries=handoff.max_pending
         )
 
     async def register(self, req: ReceiveUrlRequest) -> None:
@@ -120,26 +120,30 @@ class Handoff:
 
     def __init__(
         self,
-        args: AppArgs,
+        config: HandoffArgs,
+        model_dtype: str,
         admission: Admission,
         fanout: FanOut,
         registry: RegistryClient,
         api_key: ApiKey,
     ):
-        self.args = args
+        """Parts are admitted by ``admission`` (its body limit), encoded in ``model_dtype``
+        through ``fanout`` and answered within its ``timeout_s``."""
+        self.config = config
+        self.dtype = model_dtype
         self.admission = admission
         self.fanout = fanout
         self.registry = registry
         self.api_key = api_key
-        self.policy = args.image_urls.policy()
-        self.ec_root = check_ec_root(args.ec_root)
+        self.policy = config.image_urls.policy()
+        self.ec_root = check_ec_root(config.ec_root)
         self._pusher: ZmqPusher | None = None
 
     @property
     def pusher(self) -> ZmqPusher:
         # Made at first use: a pusher belongs to the event loop it first sends from.
         if self._pusher is None:
-            self._pusher = ZmqPusher(send_timeout_s=self.args.handoff_send_timeout_s)
+            self._pusher = ZmqPusher(send_timeout_s=self.config.send_timeout_s)
         return self._pusher
 
     async def info(self) -> dict[str, Any]:
@@ -154,7 +158,7 @@ class Handoff:
         return {
             "sglang": SGLANG_VERSION,
             "vllm": VLLM_VERSION,
-            "dtype": self.args.rank_dtype,
+            "dtype": self.dtype,
             "vllm_ec": self.ec_root is not None,
             "image_urls": self.policy.allow_http,
             "registry": registry,
@@ -165,12 +169,13 @@ class Handoff:
 
         Raises ``errors.PartFailedError`` (after pushing the error frame) on any failure.
         """
-        timeout_s = self.args.request_timeout_s
+        timeout_s = self.fanout.timeout_s
         deadline = time.monotonic() + timeout_s
         work_until = deadline - min(ERROR_GRACE_S, timeout_s / 10)
         try:
             self.api_key.check(request)
-            body = _json(await read_body(request.stream(), self.args.max_request_bytes), "/encode")
+            limit = self.admission.limits.max_request_bytes
+            body = _json(await read_body(request.stream(), limit), "/encode")
         except Exception as exc:  # answered as the part's failure
             raise errors.PartFailedError(None, exc) from exc
         try:
@@ -255,7 +260,7 @@ class Handoff:
         admitted = self.admission.admit_files(
             [image.data for image in images],
             None,
-            self.args.rank_dtype,
+            self.dtype,
             digests=[image.sha256 for image in images],  # checked content_hash: hashed once
         )
         trace.admitted(admitted.items)
@@ -266,7 +271,7 @@ class Handoff:
     def _receivers(self, req: EncodeRequest, until: float) -> _PartReceivers:
         if req.receive_address is not None:  # zmq_to_tokenizer: the part names its address
             return _PartReceivers(None)
-        wait_s = min(self.args.handoff_wait_s, until - time.monotonic())
+        wait_s = min(self.config.wait_s, until - time.monotonic())
         return _PartReceivers(self.registry.wait_for(req.req_id, max(wait_s, 0.0)))
 
     async def _failed(
@@ -286,7 +291,7 @@ class Handoff:
         receivers = self._receivers(req, deadline) if own else receivers
         try:
             sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
-            await _within(sending, deadline, self.args.request_timeout_s)
+            await _within(sending, deadline, self.fanout.timeout_s)
         except Exception as push_error:  # noqa: BLE001 - the HTTP answer still reports it
             log.warning(
                 "part %s failed (%s) and its error frame was not delivered: %s",
@@ -371,8 +376,8 @@ def check_ec_root(value: str | None) -> Path | None:
     root = Path(value)
     if not root.is_dir() or not os.access(root, os.W_OK | os.X_OK):
         raise ValueError(
-            f"ec_root {value!r} is not a writable directory on this ingress's node; create "
-            "it (the vLLM consumer's shared_storage_path, on storage both can reach) or unset "
-            "ec_root."
+            f"handoff.ec_root {value!r} is not a writable directory on this ingress's node; "
+            "create it (the vLLM consumer's shared_storage_path, on storage both can reach) or "
+            "unset handoff.ec_root."
         )
     return root

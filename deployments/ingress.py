@@ -24,7 +24,7 @@ from kimi_encoder.config import resolve_configs
 
 from . import errors
 from .admission import Admission, BodySlots
-from .args import AppArgs
+from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut, RankHealth
 from .handles import IngressCache, RankHandle, RegistryHandle
@@ -53,43 +53,65 @@ document_request_models(api)
 class EncodeServer:
     """Ingress: admission and owner assignment here, encoding on the owner ranks."""
 
-    def __init__(self, ranks: list[DeploymentHandle], args: AppArgs, registry: DeploymentHandle):
-        assert len(ranks) == args.dp_size, (len(ranks), args.dp_size)
-        self.args = args
-        vision, preprocess, self.model_name = resolve_configs(args.checkpoint)
+    def __init__(
+        self,
+        ranks: list[DeploymentHandle],
+        registry: DeploymentHandle,
+        model: ModelArgs,
+        ingress: IngressArgs,
+        dispatch: DispatchArgs,
+        handoff: HandoffArgs,
+        rank_cache: bool,
+    ):
+        """``model`` as the ranks run it (``AppArgs.model_as_run``); ``rank_cache``:
+        whether the ranks keep a feature cache (cache affinity follows it)."""
+        self.model = model
+        vision, preprocess, self.model_name = resolve_configs(model.checkpoint)
         self.vision = vision
-        self.admission = Admission(vision, preprocess, args)
-        self.bodies = BodySlots(args.max_concurrent_bodies)
-        self.api_key = ApiKey.load(args.api_key_file)
-        timeout = args.rank_route_timeout_s
+        self.admission = Admission(
+            vision,
+            preprocess,
+            ingress.limits,
+            ingress.body_pace,
+            model,
+            vllm_ec=handoff.ec_root is not None,
+        )
+        self.bodies = BodySlots(ingress.max_concurrent_bodies)
+        self.api_key = ApiKey.load(ingress.api_key_file)
+        timeout = dispatch.route_timeout_s
         self.ranks = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
         self.dispatcher = Dispatcher(
-            args.dp_size,
+            len(ranks),
             model_name=self.model_name,
-            dtype=args.rank_dtype,
-            cost_model=args.cost_model,
-            report_interval_ms=args.load_report_interval_ms,
-            affinity_tolerance=args.cache_affinity_tolerance,
-            cache_enabled=args.feature_cache_bytes > 0,
+            dtype=model.dtype,
+            cost_model=dispatch.cost_model,
+            report_interval_ms=dispatch.load_report_interval_ms,
+            affinity_tolerance=dispatch.affinity_tolerance,
+            cache_enabled=rank_cache,
             route_timeout_s=timeout,
         )
-        self.health = RankHealth(self.ranks, args.rank_cooldown_s)
-        self.kept = IngressCache(args.ingress_cache_bytes) if args.ingress_cache_bytes else None
-        self.metrics = IngressMetrics(args.dp_size)
+        self.health = RankHealth(self.ranks, dispatch.cooldown_s)
+        self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
+        self.metrics = IngressMetrics(len(ranks))
         self.fanout = FanOut(
             self.ranks,
             self.dispatcher,
             self.health,
             vision=vision,
-            timeout_s=args.request_timeout_s,
-            slow_after_s=args.rank_slow_after_s,
-            slow_factor=args.rank_slow_factor,
-            route_late_s=args.rank_route_timeout_s,
+            timeout_s=ingress.request_timeout_s,
+            slow_after_s=dispatch.slow_after_s,
+            slow_factor=dispatch.slow_factor,
+            route_late_s=timeout,
             in_flight=self.metrics.dispatched,
             kept=self.kept,
         )
         self.handoff = Handoff(
-            args, self.admission, self.fanout, RegistryHandle(registry), self.api_key
+            handoff,
+            model.dtype,
+            self.admission,
+            self.fanout,
+            RegistryHandle(registry),
+            self.api_key,
         )
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
@@ -120,10 +142,10 @@ class EncodeServer:
         return {
             "model": self.model_name,
             **self.vision.summary(),
-            "dtype": self.args.rank_dtype,
-            "feature_dtype": self.args.default_feature_dtype,
-            "device": self.args.rank_device,
-            "preprocess_backend": self.args.default_backend,
+            "dtype": self.model.dtype,
+            "feature_dtype": self.model.feature_dtype,
+            "device": self.model.device,
+            "preprocess_backend": self.model.preprocess_backend,
             "dp_size": len(self.ranks),
             "assignment": self.dispatcher.info(),
             "failover": self.health.info(),

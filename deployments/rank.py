@@ -19,7 +19,7 @@ from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.features import dtype_name, to_numpy
 from kimi_encoder.items import EncoderItem
 
-from .args import AppArgs
+from .args import ModelArgs, RankArgs
 from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import RankMetrics
@@ -75,29 +75,39 @@ class EncoderRank:
     def __init__(
         self,
         rank: int,
-        args: AppArgs,
+        model: ModelArgs,
+        ranks: RankArgs,
+        ingress_cache_share: int = 0,
         encoder_factory: EncoderFactory = VisionEncoder.from_pretrained,
     ):
+        """``model`` as the ranks run it (``AppArgs.model_as_run``: nothing 'auto'),
+        ``ranks`` as this rank runs it; ``ingress_cache_share`` the object-store bytes the
+        ingress caches may keep alive (``check_cache_fits``)."""
         self.rank = rank
-        check_resources(rank, args.rank_resources(), ray.get_runtime_context())
-        num_threads = max(1, int(args.rank_actor_options.num_cpus))
+        check_resources(rank, ranks.actor_options.ray_resources(), ray.get_runtime_context())
+        num_threads = ranks.num_threads
         torch.set_num_threads(num_threads)
         started = time.perf_counter()
         self.encoder = encoder_factory(
-            args.checkpoint,
-            device=args.rank_device,
-            dtype=args.rank_dtype,
-            backend=args.default_backend,
-            seed=args.seed,
+            model.checkpoint,
+            device=model.device,
+            dtype=model.dtype,
+            backend=model.preprocess_backend,
+            seed=model.seed,
         )
-        batching = args.batching_config()
-        if batching.cache_bytes:
+        if ranks.cache_bytes:
             store = node_object_store_bytes()
-            check_cache_fits(rank, batching.cache_bytes, store, args.ingress_cache_share)
-        keep = StoredFeatures.put if batching.cache_bytes else None
-        self.batcher = RankBatcher(self.encoder, batching, num_threads, keep=keep)
+            check_cache_fits(rank, ranks.cache_bytes, store, ingress_cache_share)
+        self.batcher = RankBatcher(
+            self.encoder,
+            ranks.batching,
+            num_threads,
+            cache_bytes=ranks.cache_bytes,
+            calibration_grids=ranks.calibration_grids,
+            keep=StoredFeatures.put if ranks.cache_bytes else None,
+        )
         self.vision = self.encoder.vision
-        self.leases = MemoryLeases(args.max_inflight_bytes)
+        self.leases = MemoryLeases(ranks.max_inflight_bytes)
         self.probe_item = self.encoder.plan(_probe_image())
         self.probe_features = self.batcher.run_in_worker_sync(self._probe)
         self.probe_tolerance = PROBE_TOLERANCE[self.encoder.dtype]
@@ -231,9 +241,10 @@ class EncoderRank:
 
 
 def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
-    """Refuse to start when Ray gave this rank other resources than ``rank_actor_options``.
+    """Refuse to start when Ray gave this rank other resources than
+    ``ranks.actor_options``.
 
-    ``build_app`` derives every rank's ``ray_actor_options`` from ``rank_actor_options``
+    ``build_app`` derives every rank's ``ray_actor_options`` from ``ranks.actor_options``
     (and the device, thread count and memory budget from them); a config's
     ``deployments:`` entry that overrides them for one rank would silently disagree.
     """
@@ -243,10 +254,10 @@ def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
         return
     raise ValueError(
         f"rank {rank} was started with Ray resources {dict(sorted(got.items()))}, but "
-        f"rank_actor_options asks for {dict(sorted(wanted.items()))}: a config's "
+        f"ranks.actor_options asks for {dict(sorted(wanted.items()))}: a config's "
         f"`deployments:` entry for EncoderRank_{rank} overrides its ray_actor_options. Set the "
-        "resources once in the application's args (rank_actor_options) and remove the "
-        "override."
+        "resources once in the application's args (ranks: {actor_options: ...}) and remove "
+        "the override."
     )
 
 
@@ -273,15 +284,15 @@ def check_cache_fits(
     """Refuse a feature cache larger than half of its node's object store, where it lives
     (``StoredFeatures``): the node's other ranks and every answer in flight share it, and
     Ray would spill cached features to disk rather than fail. ``ingress_share``: what the
-    ingress replicas' caches may keep alive of them (``ingress_cache_bytes``), counted too."""
+    ingress replicas' caches may keep alive of them (``ingress.cache_bytes``), counted too."""
     if store_bytes is None or cache_bytes + ingress_share <= store_bytes / 2:
         return
-    also = f" plus ingress_replicas x ingress_cache_bytes={ingress_share}" if ingress_share else ""
+    also = f" plus ingress.replicas x ingress.cache_bytes={ingress_share}" if ingress_share else ""
     raise ValueError(
-        f"rank {rank}: feature_cache_bytes={cache_bytes}{also} is more than half of this "
+        f"rank {rank}: ranks.cache_bytes={cache_bytes}{also} is more than half of this "
         f"node's Ray object store ({int(store_bytes)} bytes), which holds the cached features "
-        "of every rank on the node and the answers in flight. Lower feature_cache_bytes (0 "
-        "disables the cache) or ingress_cache_bytes, or start Ray with a larger "
+        "of every rank on the node and the answers in flight. Lower ranks.cache_bytes (0 "
+        "disables the cache) or ingress.cache_bytes, or start Ray with a larger "
         "--object-store-memory."
     )
 

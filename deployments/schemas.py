@@ -291,7 +291,7 @@ class InfoResponse(BaseModel):
     ingress_cache: dict[str, Any] | None = Field(
         None,
         description="This ingress replica's cache of the ranks' cached features, held as "
-        "read from the object store (ingress_cache_bytes; null when off): max_bytes, "
+        "read from the object store (ingress.cache_bytes; null when off): max_bytes, "
         "bytes, entries, hits, misses, evictions.",
     )
     handoff: dict[str, Any] | None = Field(

@@ -1,7 +1,7 @@
 """Optional API key of the encode server: ``Authorization: Bearer <key>``.
 
 The key comes from the environment variable ``KIMI_ENCODER_API_KEY`` or from
-the file named by ``AppArgs.api_key_file`` (one of them, read in the ingress
+the file named by ``ingress.api_key_file`` (one of them, read in the ingress
 process), never from the config itself, so it is not in Serve's stored config,
 the dashboard or a log. Only a SHA-256 digest is kept; requests are compared
 in constant time. ``/healthz`` and the page at ``/`` stay open.

@@ -78,7 +78,7 @@ def serve_url() -> Iterator[str]:
 # (features from another batch) must not stand in, and owners follow the reference rule
 # (patch counts). The cache, fitted costs and batching have apps of their own
 # (test_throughput.py).
-REFERENCE_PATH = dict(feature_cache_bytes=0, cost_model="patches")
+REFERENCE_PATH = {"ranks": {"cache_bytes": 0}, "dispatch": {"cost_model": "patches"}}
 
 
 # name -> base URL of the `deploy` apps now running; emptied at the end of every module.
@@ -115,7 +115,7 @@ def deploy(serve_url: str) -> Callable[..., str]:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
         if name not in _APPS:
-            args = app_args(dp_size=dp_size, **{**REFERENCE_PATH, **overrides})
+            args = app_args(REFERENCE_PATH, dp_size=dp_size, **overrides)
             serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
             _APPS[name] = f"{serve_url}/{name}"
         return _APPS[name]

@@ -17,7 +17,9 @@ import ray
 import requests
 import torch
 
-from deployments.args import AppArgs
+from deployments.admission import Admission
+from deployments.args import AppArgs, IngressArgs, RankArgs
+from kimi_encoder.config import resolve_configs
 from kimi_encoder.engines.sglang import EMBEDDING_DATA, MODALITY
 from kimi_encoder.features import from_bytes, to_float32
 
@@ -30,6 +32,16 @@ LIMITS = dict(
     max_image_pixels=1_000_000,
     max_patches_per_request=4096,
 )
+# What every test app runs with, in the nested shape of a config's `args:`: CPU ranks,
+# the test limits, fast teardown (on top of the default Serve options).
+TEST_APP = {
+    "model": {"device": "cpu", "preprocess_backend": "cpu"},
+    "ranks": {"serve_options": RankArgs().serve_options.model_dump() | FAST_SHUTDOWN},
+    "ingress": {
+        "serve_options": IngressArgs().serve_options.model_dump() | FAST_SHUTDOWN,
+        "limits": LIMITS,
+    },
+}
 
 # (mode, size, seed, format): mixed sizes, one far larger than the rest, RGBA, palette, JPEG.
 IMAGE_SPECS = [
@@ -45,20 +57,35 @@ IMAGE_SPECS = [
 ]
 
 
-def app_args(
-    *, rank_options: dict | None = None, ingress_options: dict | None = None, **fields
-) -> AppArgs:
-    """AppArgs of a test app: CPU ranks, the test limits, fast teardown, ``fields`` on top;
-    ``rank_options``/``ingress_options`` override single Serve options."""
-    base = AppArgs()
+def merged(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, key by key at every depth (a config's nested args)."""
+    out = dict(base)
+    for key, value in top.items():
+        nest = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if nest else value
+    return out
 
-    def serve_options(default, extra):
-        return default.model_copy(update={**FAST_SHUTDOWN, **(extra or {})})
 
-    return AppArgs(
-        **{"device": "cpu", "preprocess_backend": "cpu", **LIMITS, **fields},
-        rank_options=serve_options(base.rank_options, rank_options),
-        ingress_options=serve_options(base.ingress_options, ingress_options),
+def app_args(*layers: dict, **sections) -> AppArgs:
+    """AppArgs of a test app: ``TEST_APP``, then each of ``layers``, then ``sections``
+    (e.g. ``ranks={"cache_bytes": 0}``), each merged over what came before."""
+    args = TEST_APP
+    for layer in (*layers, sections):
+        args = merged(args, layer)
+    return AppArgs.model_validate(args)
+
+
+def admission(args: AppArgs) -> Admission:
+    """The admission an ingress of ``args`` runs (as ``EncodeServer`` builds it), for the
+    tests that admit requests without Ray."""
+    vision, preprocess, _ = resolve_configs(args.model.checkpoint)
+    return Admission(
+        vision,
+        preprocess,
+        args.ingress.limits,
+        args.ingress.body_pace,
+        args.model_as_run,
+        vllm_ec=args.handoff.ec_root is not None,
     )
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 from images import gray_png, image_bytes
 
-from deployments.batcher import NOT_CACHED, BatchingConfig, RankBatcher
+from deployments.args import BatchingArgs
+from deployments.batcher import NOT_CACHED, RankBatcher
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.items import EncoderInputError
 from kimi_encoder.load import Work
@@ -71,13 +72,19 @@ def images() -> list[bytes]:
     return [image_bytes("RGBA" if i % 2 else "RGB", s, seed=i) for i, s in enumerate(SIZES)]
 
 
-def batcher(encoder, keep=None, **config) -> RankBatcher:
-    base = dict(max_batch_wait_ms=0.0, cache_bytes=0, calibration_grids=())
+def batcher(encoder, keep=None, cache_bytes=0, calibration_grids=(), **batching) -> RankBatcher:
     encoder.hold.clear()
     encoder.release.clear()
     encoder.in_forward.clear()
-    config = BatchingConfig(**{**base, **config})
-    return RankBatcher(encoder, config, num_threads=1, keep=keep)
+    config = BatchingArgs(**{"max_batch_wait_ms": 0.0, **batching})
+    return RankBatcher(
+        encoder,
+        config,
+        num_threads=1,
+        cache_bytes=cache_bytes,
+        calibration_grids=calibration_grids,
+        keep=keep,
+    )
 
 
 def one_at_a_time(encoder, items) -> list[np.ndarray]:
@@ -370,7 +377,7 @@ def test_load_report_counts_queued_work_by_caller(encoder, images):
 
 
 def test_forward_thread_uses_the_allotted_threads(encoder):
-    b = RankBatcher(encoder, BatchingConfig(calibration_grids=()), num_threads=2)
+    b = RankBatcher(encoder, BatchingArgs(), num_threads=2)
     assert b.worker_threads == 2
     assert b.info()["num_threads"] == 2
 
@@ -385,8 +392,10 @@ def test_calibration_fits_a_cost_that_never_falls(encoder):
 
 
 def test_bad_config_is_refused(encoder):
-    with pytest.raises(ValueError, match="max_batch_patches must be >= 1"):
+    with pytest.raises(ValueError, match="max_batch_patches\n  Input should be greater than or"):
         batcher(encoder, max_batch_patches=0)
+    with pytest.raises(ValueError, match="max_batch_wait_ms\n  Input should be greater than or"):
+        batcher(encoder, max_batch_wait_ms=-1)
 
 
 def test_a_cache_larger_than_half_its_object_store_is_refused():
@@ -397,15 +406,15 @@ def test_a_cache_larger_than_half_its_object_store_is_refused():
     with pytest.raises(ValueError, match="more than half") as refused:
         check_cache_fits(3, 600 << 20, 1 << 30)
     message = str(refused.value)
-    assert "rank 3: feature_cache_bytes=629145600" in message
+    assert "rank 3: ranks.cache_bytes=629145600" in message
     assert "(1073741824 bytes)" in message
     assert "--object-store-memory" in message
     check_cache_fits(0, 256 << 20, 1 << 30, ingress_share=256 << 20)  # 512 MiB: fits
     with pytest.raises(ValueError, match="more than half") as refused:
         check_cache_fits(1, 256 << 20, 1 << 30, ingress_share=300 << 20)
     message = str(refused.value)
-    assert "feature_cache_bytes=268435456 plus ingress_replicas x ingress_cache_bytes=" in message
-    assert "ingress_cache_bytes, or start Ray" in message
+    assert "ranks.cache_bytes=268435456 plus ingress.replicas x ingress.cache_bytes=" in message
+    assert "ingress.cache_bytes, or start Ray" in message
 
 
 def test_a_failing_keep_fails_only_its_image(encoder, images):

@@ -9,7 +9,8 @@ import pytest
 import torch
 from images import gray_png
 
-from deployments.batcher import BatchingConfig, RankBatcher
+from deployments.args import BatchingArgs
+from deployments.batcher import RankBatcher
 from deployments.dispatch import Dispatcher
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.config import get_preset, resolve_configs
@@ -78,7 +79,7 @@ def test_the_ingress_and_the_rank_key_an_image_alike(encoder, feature_dtype):
     """The ingress's keys (cache affinity, its own cache) are the keys the rank's cache
     keeps the same images' features under."""
     images = [gray_png(bytes(range(i, 256)) * 4, (30, 30)) for i in range(3)]
-    rank = RankBatcher(encoder, BatchingConfig(cache_bytes=1 << 20, calibration_grids=()), 1)
+    rank = RankBatcher(encoder, BatchingArgs(), 1, cache_bytes=1 << 20)
     asyncio.run(rank.encode([encoder.plan(image) for image in images], "c", feature_dtype))
     ingress = Dispatcher(
         1,

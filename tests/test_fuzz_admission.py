@@ -18,20 +18,15 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from images import image_bytes
+from serve_helpers import admission
 
-from deployments.admission import Admission
 from deployments.args import AppArgs
 from deployments.errors import INTERNAL, classify
 from deployments.schemas import EncodeRequest
-from kimi_encoder.config import get_preset
 
-PRESET = get_preset("tiny")
 MAX_IMAGES = 6
-ADMISSION = Admission(
-    PRESET.vision,
-    PRESET.preprocess,
-    AppArgs(max_images_per_request=MAX_IMAGES, max_image_pixels=4_000_000),
-)
+LIMITS = {"max_images_per_request": MAX_IMAGES, "max_image_pixels": 4_000_000}
+ADMISSION = admission(AppArgs(ingress={"limits": LIMITS}))
 SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 FORMATS = ("PNG", "JPEG", "WEBP")

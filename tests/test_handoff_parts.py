@@ -10,24 +10,23 @@ import numpy as np
 import pytest
 import torch
 from images import image_bytes
-from serve_helpers import read_frame0
+from serve_helpers import admission, read_frame0
 
 from deployments.admission import Admission, OutputNotConfiguredError
 from deployments.args import AppArgs
 from deployments.fanout import Gathered
 from deployments.handoff import check_ec_root, part_frames
 from deployments.schemas import EncodeRequest as V1Request
-from kimi_encoder.config import get_preset
 from kimi_encoder.engines.sglang import EncodeRequest
 from kimi_encoder.features import to_numpy
 from kimi_encoder.items import EncoderInputError
 
-PRESET = get_preset("tiny")
 IMAGES = [image_bytes("RGB", (64, 48), 1), image_bytes("RGBA", (40, 40), 2)]
 
 
-def admission(**args) -> Admission:
-    return Admission(PRESET.vision, PRESET.preprocess, AppArgs(**args))
+def gate(**sections) -> Admission:
+    """The admission of an app with ``sections`` of args."""
+    return admission(AppArgs.model_validate(sections))
 
 
 def ec_request(uuids, images=IMAGES, **fields) -> V1Request:
@@ -37,11 +36,13 @@ def ec_request(uuids, images=IMAGES, **fields) -> V1Request:
 
 
 def test_vllm_ec_output_is_admitted_in_the_model_dtype(tmp_path):
-    gate = admission(ec_root=str(tmp_path), dtype="bfloat16", feature_dtype="float32")
-    admitted = gate.admit_json(ec_request(["a", "b"]))
+    ec = gate(
+        handoff={"ec_root": str(tmp_path)}, model={"dtype": "bfloat16", "feature_dtype": "float32"}
+    )
+    admitted = ec.admit_json(ec_request(["a", "b"]))
     assert admitted.output.uuids == ["a", "b"]
     assert admitted.feature_dtype == "bfloat16"
-    plain = gate.admit_json(V1Request.model_validate({"items": ec_request(["a"]).items}))
+    plain = ec.admit_json(V1Request.model_validate({"items": ec_request(["a"]).items}))
     assert plain.output is None
     assert plain.feature_dtype == "float32"
 
@@ -60,33 +61,34 @@ def test_vllm_ec_output_is_admitted_in_the_model_dtype(tmp_path):
 )
 def test_vllm_ec_output_errors(tmp_path, uuids, fields, match):
     with pytest.raises(EncoderInputError, match=match):
-        admission(ec_root=str(tmp_path)).admit_json(ec_request(uuids, **fields))
+        gate(handoff={"ec_root": str(tmp_path)}).admit_json(ec_request(uuids, **fields))
 
 
 def test_vllm_ec_output_needs_ec_root():
-    with pytest.raises(OutputNotConfiguredError, match=r"set args\.ec_root to the vLLM consumer"):
-        admission().admit_json(ec_request(["a", "b"]))
+    with pytest.raises(
+        OutputNotConfiguredError, match=r"set the app's args handoff\.ec_root to the vLLM consumer"
+    ):
+        gate().admit_json(ec_request(["a", "b"]))
 
 
 def test_admitted_files_keep_the_digests_their_part_checked():
     """A part's content_hash was checked against SHA-256 of the bytes (load_images): the
     items keep that digest for their cache and dedupe keys instead of hashing again."""
     digest = hashlib.sha256(IMAGES[0]).digest()
-    items = admission().admit_files(IMAGES, None, digests=[digest, None]).items
+    items = gate().admit_files(IMAGES, None, digests=[digest, None]).items
     assert items[0].image_sha256 == digest
     assert items[0].image_digest() == digest
     assert items[1].image_sha256 is None  # no hash sent: computed when first needed
     assert items[1].image_digest() == hashlib.sha256(IMAGES[1]).digest()
     with pytest.raises(ValueError, match="zip"):
-        admission().admit_files(IMAGES, None, digests=[digest])
+        gate().admit_files(IMAGES, None, digests=[digest])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
     """Two ranks' arrays, the part's items interleaved over them: frame 1 is the rows in
     item order, in one new buffer (frame 0 is checked in test_engines_sglang.py)."""
-    gate = admission()
-    items = gate.admit_files(IMAGES + IMAGES[:1], None).items  # tokens 6, 4, 6
+    items = gate().admit_files(IMAGES + IMAGES[:1], None).items  # tokens 6, 4, 6
     rank0 = torch.randn(12, 80).to(getattr(torch, dtype))  # items 0 and 2
     rank1 = torch.randn(4, 80).to(getattr(torch, dtype))  # item 1
     arrays = [to_numpy(rank0), to_numpy(rank1)]
@@ -113,7 +115,7 @@ def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
 def test_part_frames_of_one_image_send_the_ranks_array_itself(dtype):
     """A part of one image: frame 1 is the rank's read-only array from the object store,
     not a copy of it."""
-    items = admission().admit_files(IMAGES[:1], None).items  # 6 tokens
+    items = gate().admit_files(IMAGES[:1], None).items  # 6 tokens
     rows = torch.randn(6, 80).to(getattr(torch, dtype))
     array = to_numpy(rows)
     array.flags.writeable = False

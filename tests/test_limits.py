@@ -19,9 +19,10 @@ import pytest
 from images import chunk, deflated_zeros, ico_bomb, image_bytes, make_image, png_claiming
 from PIL import Image
 from pydantic import ValidationError
+from serve_helpers import admission
 from starlette.requests import Request
 
-from deployments.admission import Admission, FormError, read_body, replay
+from deployments.admission import FormError, read_body, replay
 from deployments.args import AppArgs
 from deployments.schemas import EncodeRequest
 from deployments.security import ENV_VAR, ApiKey
@@ -36,7 +37,7 @@ from kimi_encoder.items import (
 )
 
 PRESET = get_preset("tiny")
-ADMISSION = Admission(PRESET.vision, PRESET.preprocess, AppArgs(max_image_pixels=1_000_000))
+ADMISSION = admission(AppArgs(ingress={"limits": {"max_image_pixels": 1_000_000}}))
 
 
 def test_pil_bomb_protection_is_on():

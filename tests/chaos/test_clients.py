@@ -28,26 +28,23 @@ from ray import serve
 from serve_helpers import app_args, b64
 
 from deployments.app import bind_app
-from deployments.args import AppArgs
+from deployments.args import BodyPace, RequestLimits
 
 pytestmark = pytest.mark.chaos
 
 SLOW_CONNECTIONS = 100
-BODY_GRACE_S = AppArgs.model_fields["body_grace_s"].default  # the chaos apps keep it
-DEFAULT_LIMITS = dict(
-    max_request_bytes=64 << 20,
-    max_images_per_request=64,
-    max_image_pixels=50_000_000,
-    max_patches_per_request=1 << 20,
-)
+BODY_GRACE_S = BodyPace().grace_s  # the chaos apps keep it
+DEFAULT_LIMITS = {"ingress": {"limits": RequestLimits().model_dump()}}
 
 
 @pytest.fixture(scope="module")
 def apps(serve_url):
     created = []
 
-    def run(name: str, **fields) -> str:
-        args = app_args(dp_size=2, ingress_replicas=2, feature_cache_bytes=0, **fields)
+    def run(name: str, *layers: dict) -> str:
+        args = app_args(
+            {"ingress": {"replicas": 2}, "ranks": {"cache_bytes": 0}}, *layers, dp_size=2
+        )
         serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
         created.append(name)
         return f"{serve_url}/{name}"
@@ -184,7 +181,7 @@ def test_trickling_bodies_hold_no_slot_of_the_encode_path(apps, chaos_images):
     assert during["wrong"] == 0
     assert ok >= 0.95
     # A held slot shows as 503s (above) or as normal requests waiting for a trickling
-    # body's deadline (body_grace_s, 10 s from its start; tricklers start 50 ms apart,
+    # body's deadline (body_pace.grace_s, 10 s from its start; tricklers start 50 ms apart,
     # so a held request waits 5 s on average, and with every slot held
     # every request waits up to 10 s). The trickling sockets' own CPU (proxy, ingress,
     # this process) slows normal requests too on 2 cores: 2x on a quiet machine, 4x with
@@ -198,7 +195,7 @@ def test_trickling_bodies_hold_no_slot_of_the_encode_path(apps, chaos_images):
 
 
 def test_bombs_and_foreign_formats_never_reach_a_rank(apps):
-    url = apps("chaos_formats", **DEFAULT_LIMITS)
+    url = apps("chaos_formats", DEFAULT_LIMITS)
     eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\nshowpage\n"
     psd = b"8BPS\x00\x01" + bytes(20)
     before = [r["calls"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]]
@@ -264,7 +261,7 @@ def abandoned_post(url: str, body: bytes) -> Iterator[None]:
 
 
 def test_an_abandoned_flood_is_dropped(apps, chaos_images):
-    url = apps("chaos_flood", **DEFAULT_LIMITS)
+    url = apps("chaos_flood", DEFAULT_LIMITS)
     # 48 distinct zero-filled 7000 x ~7000 PNGs (a few MB in all; ~2.3 GB of pixels):
     # three batches' worth (16 x 1024 patches each), each image a long decode.
     pngs = [zero_png(7000, 7000 - k) for k in range(48)]

@@ -38,11 +38,13 @@ PROMPT_S = 3.0
 def url(serve_url):
     args = app_args(
         dp_size=2,
-        ingress_replicas=2,
-        feature_cache_bytes=0,
-        rank_cooldown_s=1.0,
-        # Health checks slower than the 30 s hang: the resumed rank rejoins, not replaced.
-        rank_options={"health_check_period_s": 2, "health_check_timeout_s": 60},
+        ingress={"replicas": 2},
+        ranks={
+            "cache_bytes": 0,
+            # Health checks slower than the 30 s hang: the resumed rank rejoins, not replaced.
+            "serve_options": {"health_check_period_s": 2, "health_check_timeout_s": 60},
+        },
+        dispatch={"cooldown_s": 1.0},
     )
     serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"

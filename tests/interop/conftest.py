@@ -33,8 +33,8 @@ STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 30
 # The served applications: float32 with dp 2 behind two ingress replicas, and bfloat16.
 APPS = {
-    "f32": {"dp_size": 2, "ingress_replicas": 2, "dtype": "float32"},
-    "bf16": {"dp_size": 1, "dtype": "bfloat16"},
+    "f32": {"dp_size": 2, "replicas": 2, "dtype": "float32"},
+    "bf16": {"dp_size": 1, "replicas": 1, "dtype": "bfloat16"},
 }
 FAST_SHUTDOWN = {"graceful_shutdown_wait_loop_s": 0.1, "graceful_shutdown_timeout_s": 1}
 
@@ -66,20 +66,28 @@ def _config(port: int, tmp: Path) -> dict:
     for name, fields in APPS.items():
         (tmp / f"ec-{name}").mkdir()
         args = {
-            "checkpoint": "tiny",
-            "device": "cpu",
-            "preprocess_backend": "cpu",
+            "model": {
+                "checkpoint": "tiny",
+                "device": "cpu",
+                "preprocess_backend": "cpu",
+                "dtype": fields["dtype"],
+            },
+            "dp_size": fields["dp_size"],
             # Features compared bit for bit: no cache, owners by patch count.
-            "feature_cache_bytes": 0,
-            "cost_model": "patches",
-            "calibration_grids": [],
-            "request_timeout_s": REQUEST_TIMEOUT_S,
-            "handoff_wait_s": 20,
-            "ec_root": str(tmp / f"ec-{name}"),
-            "rank_options": {"max_ongoing_requests": 64, "max_queued_requests": 64} | FAST_SHUTDOWN,
-            "ingress_options": {"max_ongoing_requests": 32, "max_queued_requests": 64}
-            | FAST_SHUTDOWN,
-            **fields,
+            "ranks": {
+                "cache_bytes": 0,
+                "calibration_grids": [],
+                "serve_options": {"max_ongoing_requests": 64, "max_queued_requests": 64}
+                | FAST_SHUTDOWN,
+            },
+            "ingress": {
+                "replicas": fields["replicas"],
+                "request_timeout_s": REQUEST_TIMEOUT_S,
+                "serve_options": {"max_ongoing_requests": 32, "max_queued_requests": 64}
+                | FAST_SHUTDOWN,
+            },
+            "dispatch": {"cost_model": "patches"},
+            "handoff": {"wait_s": 20, "ec_root": str(tmp / f"ec-{name}")},
         }
         apps.append(
             {

@@ -7,7 +7,7 @@ starts its own head and raylets, and one process can join only one cluster
 
 Layout: a head node with the proxy, the Serve controller and the ingress
 (custom resource ``head``), two worker nodes with one ``encoder_slot`` each,
-and ranks asking for one ``encoder_slot`` (``rank_actor_options.resources``),
+and ranks asking for one ``encoder_slot`` (``ranks.actor_options.resources``),
 so each node holds one rank. After a first request, the node holding rank 1 is
 removed while a request's share waits there (its forward held by the test's
 switchboard, ``controlled.py``); rank 1 has
@@ -77,12 +77,13 @@ def main() -> None:
         serve.start(http_options={"host": "127.0.0.1", "port": port}, proxy_location="HeadOnly")
         args = app_args(
             dp_size=2,
-            rank_actor_options={"num_cpus": 0, "resources": {"encoder_slot": 1}},
-            ingress_actor_options={"resources": {"head": 0.01}},
-            rank_cooldown_s=1.0,
-            feature_cache_bytes=0,
-            cost_model="patches",
-            calibration_grids=[],
+            ranks={
+                "actor_options": {"num_cpus": 0, "resources": {"encoder_slot": 1}},
+                "cache_bytes": 0,
+                "calibration_grids": [],
+            },
+            ingress={"actor_options": {"resources": {"head": 0.01}}},
+            dispatch={"cooldown_s": 1.0, "cost_model": "patches"},
         )
         board = Switchboard.options(resources={"head": 0.01}).remote()
         serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")

@@ -49,14 +49,17 @@ def board(serve_url):
 def bp_url(serve_url, board):
     args = app_args(
         dp_size=1,
-        max_inflight_bytes=BUDGET,
-        request_timeout_s=4,
-        rank_cooldown_s=0.5,
-        feature_cache_bytes=0,
-        cost_model="patches",
-        calibration_grids=[],
-        rank_options={"max_ongoing_requests": 2, "max_queued_requests": 2},
-        ingress_options={"max_ongoing_requests": 6, "max_queued_requests": 2},
+        ranks={
+            "max_inflight_bytes": BUDGET,
+            "cache_bytes": 0,
+            "calibration_grids": [],
+            "serve_options": {"max_ongoing_requests": 2, "max_queued_requests": 2},
+        },
+        ingress={
+            "request_timeout_s": 4,
+            "serve_options": {"max_ongoing_requests": 6, "max_queued_requests": 2},
+        },
+        dispatch={"cooldown_s": 0.5, "cost_model": "patches"},
     )
     serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"

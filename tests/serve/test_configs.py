@@ -3,17 +3,18 @@ options, without starting them."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from ray.serve._private.build_app import build_app as build_deployments  # names of a built app
 from ray.serve.schema import ServeDeploySchema
 
 from deployments.app import INGRESS_NAME, REGISTRY_NAME, build_app, rank_name
-from deployments.args import GLIBC_TUNABLES, AppArgs
+from deployments.args import GLIBC_TUNABLES, MOVED, AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -30,8 +31,8 @@ def load(name: str) -> tuple[dict, AppArgs, dict]:
 
 
 def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None:
-    """Every rank has rank_actor_options and rank_options, the ingress its own, the
-    hand-off registry is one replica without CPUs; the config lists no per-deployment
+    """Every rank has ranks.actor_options and ranks.serve_options, the ingress its own,
+    the hand-off registry is one replica without CPUs; the config lists no per-deployment
     entry (nothing to override)."""
     assert "deployments" not in app
     ranks = {rank_name(r) for r in range(args.dp_size)}
@@ -39,33 +40,33 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
     registry = built.pop(REGISTRY_NAME)
     assert registry.num_replicas == 1
     assert registry.ray_actor_options["num_cpus"] == 0
-    assert registry._deployment_config.max_ongoing_requests > args.handoff_max_pending
+    assert registry._deployment_config.max_ongoing_requests > args.handoff.max_pending
     for name, deployment in built.items():
         is_rank = name != INGRESS_NAME
         config = deployment._deployment_config
-        actor = args.rank_actor_options if is_rank else args.ingress_actor_options
-        options = args.rank_options if is_rank else args.ingress_options
+        section = args.ranks if is_rank else args.ingress
+        actor, options = section.actor_options, section.serve_options
         assert deployment.ray_actor_options == actor.model_dump() | args.replica_env(), name
         for field, value in options.model_dump().items():
             assert getattr(config, field) == value, (name, field)
-    assert built[INGRESS_NAME].num_replicas == args.ingress_replicas
+    assert built[INGRESS_NAME].num_replicas == args.ingress.replicas
 
 
 def test_k3_8gpu_config():
     app, args, built = load("k3-8gpu.yaml")
-    assert (args.dp_size, args.device, args.dtype) == (8, "cuda", "bfloat16")
-    assert args.default_backend == "gpu"
-    assert args.rank_actor_options.num_gpus == 1
-    assert not args.checkpoint.startswith(("tiny", "small"))
-    assert "/" in args.checkpoint
-    assert args.ingress_replicas >= 2
+    assert (args.dp_size, args.model.device, args.model.dtype) == (8, "cuda", "bfloat16")
+    assert args.model_as_run.preprocess_backend == "gpu"
+    assert args.ranks.actor_options.num_gpus == 1
+    assert not args.model.checkpoint.startswith(("tiny", "small"))
+    assert "/" in args.model.checkpoint
+    assert args.ingress.replicas >= 2
     assert_options_come_from_args(app, args, built)
 
 
 def test_cpu_config_fits_two_cores():
     app, args, built = load("config.yaml")
-    assert (args.checkpoint, args.dp_size, args.rank_device) == ("tiny", 2, "cpu")
-    assert args.ingress_replicas >= 2
+    assert (args.model.checkpoint, args.dp_size, args.model_as_run.device) == ("tiny", 2, "cpu")
+    assert args.ingress.replicas >= 2
     assert_options_come_from_args(app, args, built)
     assert all(d.ray_actor_options["num_cpus"] == 0 for d in built.values())
 
@@ -73,29 +74,55 @@ def test_cpu_config_fits_two_cores():
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        ({"preprocess_backend": "tpu"}, "Unsupported Kimi-K3 deferred preprocessing backend: tpu"),
+        (
+            {"model": {"preprocess_backend": "tpu"}},
+            "Unsupported Kimi-K3 deferred preprocessing backend: tpu",
+        ),
         ({"dp_size": 0}, "dp_size"),
-        ({"device": "cuda"}, "needs rank_actor_options.num_gpus >= 1"),
-        ({"dtype": "int8"}, "dtype"),
+        (
+            {"model": {"device": "cuda"}},
+            r"model.device 'cuda' needs ranks.actor_options.num_gpus >= 1 \(got 0\); set "
+            r"ranks: {actor_options: {num_gpus: 1}} or model: {device: cpu}",
+        ),
+        (
+            {"model": {"dtype": "int8"}},
+            r"model.dtype\n  Input should be 'auto', 'float32', 'bfloat16' or 'float16'",
+        ),
         ({"num_ranks": 2}, "Extra inputs are not permitted"),
-        ({"ingress_actor_options": {"num_gpus": 1}}, "ingress_actor_options.num_gpus must be 0"),
-        ({"ec_root": "ec"}, "ec_root must be an absolute directory, got 'ec'"),
+        ({"ranks": {"num_ranks": 2}}, r"ranks.num_ranks\n  Extra inputs are not permitted"),
+        (
+            {"ingress": {"actor_options": {"num_gpus": 1}}},
+            r"ingress.actor_options.num_gpus must be 0 \(got 1.0\): the ingress never touches a "
+            "GPU; give GPUs to ranks.actor_options",
+        ),
+        ({"handoff": {"ec_root": "ec"}}, "ec_root must be an absolute directory, got 'ec'"),
         (
             {"glibc_tunables": "hugetlb=1"},
             r"glibc_tunables must be ':'-separated glibc.<namespace>.<name>=<value> entries "
             r"\(GLIBC_TUNABLES syntax\), got 'hugetlb=1' \(bad: \['hugetlb=1'\]\)",
         ),
         ({"glibc_tunables": "glibc.malloc.hugetlb=1:"}, r"bad: \[''\]"),
-        ({"image_urls": {"max_bytes": 0}}, "image_urls.max_bytes"),
-        ({"rank_options": {"max_ongoing_requests": 0}}, "max_ongoing_requests"),
+        ({"handoff": {"image_urls": {"max_bytes": 0}}}, "handoff.image_urls.max_bytes"),
         (
-            {"rank_options": {"max_ongoing_requests": 1, "max_queued_requests": 0}},
+            {"ranks": {"serve_options": {"max_ongoing_requests": 0}}},
+            "ranks.serve_options.max_ongoing_requests",
+        ),
+        (
+            {"ranks": {"serve_options": {"max_ongoing_requests": 1, "max_queued_requests": 0}}},
             "max_queued_requests must be -1 .* or at least 1, got 0",
         ),
         (
-            {"feature_cache_bytes": 0, "ingress_cache_bytes": 1024},
-            r"ingress_cache_bytes=1024 keeps references to the features the ranks' caches "
-            r"hold, but feature_cache_bytes is 0 \(no rank cache\); set feature_cache_bytes > 0",
+            {"ranks": {"cache_bytes": 0}, "ingress": {"cache_bytes": 1024}},
+            r"ingress.cache_bytes=1024 keeps the features the ranks' caches hold, but "
+            r"ranks.cache_bytes is 0 \(no rank cache\); set ranks.cache_bytes > 0",
+        ),
+        (
+            {"ranks": {"calibration_grids": [8, 9]}},
+            r"calibration_grids must be even sides >= 2 \(the 2x2 patch merge\), got \[9\]",
+        ),
+        (
+            {"ranks": {"batching": {"max_batch_patches": 0}}},
+            r"ranks.batching.max_batch_patches\n  Input should be greater than or equal to 1",
         ),
     ],
     ids=[
@@ -104,6 +131,7 @@ def test_cpu_config_fits_two_cores():
         "cuda-no-gpu",
         "dtype",
         "extra",
+        "extra-in-a-section",
         "ingress-gpu",
         "ec-root",
         "tunables",
@@ -112,11 +140,50 @@ def test_cpu_config_fits_two_cores():
         "ongoing",
         "queue",
         "ingress-cache-without-rank-cache",
+        "odd-grid",
+        "batch-budget",
     ],
 )
 def test_bad_args_fail_validation(args, fragment):
     with pytest.raises(ValidationError, match=fragment):
         AppArgs.model_validate(args)
+
+
+@pytest.mark.parametrize(
+    ("flat", "written"),
+    [
+        ({"max_batch_patches": 4096}, "ranks: {batching: {max_batch_patches: ...}}"),
+        ({"checkpoint": "tiny"}, "model: {checkpoint: ...}"),
+        ({"rank_options": {}}, "ranks: {serve_options: ...}"),
+        ({"feature_cache_bytes": 0}, "ranks: {cache_bytes: ...}"),
+        ({"ingress_replicas": 2}, "ingress: {replicas: ...}"),
+        ({"max_request_bytes": 1}, "ingress: {limits: {max_request_bytes: ...}}"),
+        ({"body_grace_s": 1}, "ingress: {body_pace: {grace_s: ...}}"),
+        ({"rank_cooldown_s": 1}, "dispatch: {cooldown_s: ...}"),
+        ({"handoff_wait_s": 1}, "handoff: {wait_s: ...}"),
+    ],
+    ids=lambda value: next(iter(value)) if isinstance(value, dict) else None,
+)
+def test_a_flat_key_of_earlier_releases_fails_naming_its_new_place(flat, written):
+    (key,) = flat
+    with pytest.raises(ValidationError, match=re.escape(f"`{key}` moved: write it as `{written}`")):
+        AppArgs.model_validate({"dp_size": 2, **flat})
+
+
+def test_every_flat_key_of_earlier_releases_has_a_place():
+    """Each moved key names a field that exists, and the message names them all."""
+    for key, path in MOVED.items():
+        model: type[BaseModel] = AppArgs
+        *sections, leaf = path.split(".")
+        for section in sections:
+            model = model.model_fields[section].annotation
+        assert leaf in model.model_fields, (key, path)
+    with pytest.raises(ValidationError) as refused:
+        AppArgs.model_validate({"dtype": "float32", "api_key_file": "/k"})
+    message = str(refused.value)
+    assert "`dtype` moved: write it as `model: {dtype: ...}`." in message
+    assert "`api_key_file` moved: write it as `ingress: {api_key_file: ...}`." in message
+    assert "see docs/api.md, Configuration" in message
 
 
 @pytest.mark.parametrize("tunables", [None, "glibc.malloc.hugetlb=0:glibc.malloc.arena_max=2", ""])
@@ -135,16 +202,42 @@ def test_every_replica_gets_the_glibc_tunables_of_the_args(tunables):
             assert env["GLIBC_TUNABLES"] == (tunables or GLIBC_TUNABLES), deployment.name
 
 
+def sections(model: type[BaseModel]) -> list[type[BaseModel]]:
+    """``model`` and every model nested in it, each once."""
+    out = [model]
+    for field in model.model_fields.values():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            out += [m for m in sections(field.annotation) if m not in out]
+    return out
+
+
 def test_every_arg_is_documented():
-    fields = AppArgs.model_fields
-    for model in (
-        AppArgs,
-        fields["rank_actor_options"].annotation,
-        fields["rank_options"].annotation,
-        fields["image_urls"].annotation,
-    ):
+    models = sections(AppArgs)
+    assert {"ModelArgs", "RankArgs", "BatchingArgs", "ServeOptions", "ActorOptions"} <= {
+        m.__name__ for m in models
+    }
+    for model in models:
         for name, field in model.model_fields.items():
             assert field.description, f"{model.__name__}.{name} has no description"
+
+
+def doc_args(doc: str) -> list[dict]:
+    """The ``args:`` blocks of a doc's YAML examples."""
+    text = (CONFIGS.parent / doc).read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", text, flags=re.S)
+    return [yaml.safe_load(block)["args"] for block in blocks if block.startswith("args:")]
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/api.md", "docs/epd.md"])
+def test_the_args_the_docs_show_validate(doc):
+    (args,) = doc_args(doc)
+    AppArgs.model_validate(args)
+
+
+def test_the_readme_shows_the_defaults():
+    (args,) = doc_args("README.md")
+    assert AppArgs.model_validate(args) == AppArgs()
+    assert set(args) == set(AppArgs.model_fields)  # every section
 
 
 # configs/kuberay-rayservice.yaml: the RayService's embedded Serve config is a valid deploy
@@ -165,18 +258,19 @@ def test_kuberay_embedded_serve_config_builds_with_app_args():
     (app,) = serve_config["applications"]
     assert app["import_path"] == "deployments.app:build_app"
     args = AppArgs.model_validate(app["args"])
-    assert (args.device, args.default_backend, args.rank_actor_options.num_gpus) == (
+    model = args.model_as_run
+    assert (model.device, model.preprocess_backend, args.ranks.actor_options.num_gpus) == (
         "cuda",
         "gpu",
         1,
     )
     assert (
-        args.request_timeout_s < serve_config["http_options"]["request_timeout_s"]
+        args.ingress.request_timeout_s < serve_config["http_options"]["request_timeout_s"]
     )  # 504, not 408
-    assert args.api_key_file is not None  # bound to 0.0.0.0: a key is required
+    assert args.ingress.api_key_file is not None  # bound to 0.0.0.0: a key is required
     built = build_deployments(build_app(args), name=app["name"])
     assert_options_come_from_args(app, args, {d.name: d for d in built.deployments})
-    assert args.rank_options.max_queued_requests > 0  # bounded queue per rank
+    assert args.ranks.serve_options.max_queued_requests > 0  # bounded queue per rank
     assert serve_config["proxy_location"] == "EveryNode"  # a proxy on every pod
 
 
@@ -190,12 +284,12 @@ def test_kuberay_cluster_holds_every_rank_and_mounts_what_the_config_reads():
         group["replicas"] * int(group["rayStartParams"]["num-gpus"])
         for group in cluster["workerGroupSpecs"]
     )
-    assert gpus >= args.dp_size * args.rank_actor_options.num_gpus
+    assert gpus >= args.dp_size * args.ranks.actor_options.num_gpus
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
     for pod in pods:
         (container,) = pod["template"]["spec"]["containers"]
         mounted = [m["mountPath"] for m in container["volumeMounts"]]
-        assert any(args.checkpoint.startswith(m + "/") for m in mounted), mounted
-        assert any(args.api_key_file.startswith(m + "/") for m in mounted), mounted
+        assert any(args.model.checkpoint.startswith(m + "/") for m in mounted), mounted
+        assert any(args.ingress.api_key_file.startswith(m + "/") for m in mounted), mounted
     images = {pod["template"]["spec"]["containers"][0]["image"] for pod in pods}
     assert len(images) == 1  # head and workers run the same code

@@ -56,17 +56,19 @@ def url(serve_url, board, tmp_path_factory):
     key_file.write_text(KEY)
     args = app_args(
         dp_size=1,
-        api_key_file=str(key_file),
-        request_timeout_s=3,
-        rank_cooldown_s=0.5,
-        handoff_wait_s=1,
-        handoff_send_timeout_s=1,
-        handoff_max_pending=1,
-        feature_cache_bytes=0,
-        calibration_grids=[],
-        rank_options={"max_ongoing_requests": 1, "max_queued_requests": 1},
-        body_grace_s=1.0,  # a stalled body is refused after a second
-        max_concurrent_bodies=1,
+        ranks={
+            "cache_bytes": 0,
+            "calibration_grids": [],
+            "serve_options": {"max_ongoing_requests": 1, "max_queued_requests": 1},
+        },
+        ingress={
+            "api_key_file": str(key_file),
+            "request_timeout_s": 3,
+            "body_pace": {"grace_s": 1.0},  # a stalled body is refused after a second
+            "max_concurrent_bodies": 1,
+        },
+        dispatch={"cooldown_s": 0.5},
+        handoff={"wait_s": 1, "send_timeout_s": 1, "max_pending": 1},
     )
     serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
@@ -208,7 +210,7 @@ def push_to_nobody(url: str, board) -> requests.Response:
 
 
 def registry_full(url: str, board) -> requests.Response:
-    """handoff_max_pending=1: a part with one of its two ranks registered holds the only
+    """handoff.max_pending=1: a part with one of its two ranks registered holds the only
     entry, so another part's registration is refused; then the first part completes."""
     ctx = zmq.Context()
     try:
@@ -226,7 +228,7 @@ def registry_full(url: str, board) -> requests.Response:
 
 
 def nobody_registers(url: str, board) -> requests.Response:
-    """A zmq_to_scheduler part whose ranks never say where they listen (handoff_wait_s=1)."""
+    """A zmq_to_scheduler part whose ranks never say where they listen (handoff.wait_s=1)."""
     return requests.post(f"{url}/encode", headers=AUTH, json=part("unheard"), timeout=60)
 
 

@@ -35,7 +35,10 @@ OPTIONS = {
     "health_check_period_s": 1,  # short only in tests: a failing rank is replaced fast
     "health_check_timeout_s": 10,
 }
-FAST_RESTART = dict(feature_cache_bytes=0, cost_model="patches", calibration_grids=[])
+FAST_RESTART = {
+    "ranks": {"cache_bytes": 0, "calibration_grids": []},
+    "dispatch": {"cost_model": "patches"},
+}
 REDISPATCH_BOUND_S = 10  # kill -> the request that was on the dead rank answers 200
 UNAVAILABLE_BOUND_S = 5  # kill of every rank -> 503 with Retry-After
 RECOVERY_BOUND_S = 45  # kill -> the replacement rank takes work again
@@ -117,11 +120,11 @@ def board(serve_url):
 @pytest.fixture(scope="module")
 def faults_url(serve_url, board):
     args = app_args(
+        FAST_RESTART,
         dp_size=2,
-        rank_cooldown_s=0.5,
-        request_timeout_s=30,
-        rank_options=OPTIONS,
-        **FAST_RESTART,
+        ranks={"serve_options": OPTIONS},
+        ingress={"request_timeout_s": 30},
+        dispatch={"cooldown_s": 0.5},
     )
     app = bind_app(args, controlled_factory(board))
     serve.run(app, name=FAULTS_APP, route_prefix=f"/{FAULTS_APP}")

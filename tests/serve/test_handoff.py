@@ -35,7 +35,10 @@ pytestmark = pytest.mark.serve
 
 APP, BF16_APP = "handoff", "handoff_bf16"
 # Features compared bit for bit: no cache, owners by patch count (no calibration).
-REFERENCE_PATH = dict(feature_cache_bytes=0, cost_model="patches", calibration_grids=[])
+REFERENCE_PATH = {
+    "ranks": {"cache_bytes": 0, "calibration_grids": []},
+    "dispatch": {"cost_model": "patches"},
+}
 # Mixed sizes and modes: RGB, the big one (resized to the tiny preset's budget), RGBA, palette.
 IMAGES = [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS[:4]]
 RECEIVE_S = 60  # a pushed part reaches its socket within this (it was sent before the answer)
@@ -50,7 +53,10 @@ def ec_root(tmp_path_factory) -> Path:
 def url(serve_url, ec_root):
     """dp 2 behind two ingress replicas, float32, writing vLLM entries under ec_root."""
     args = app_args(
-        dp_size=2, ingress_replicas=2, ec_root=str(ec_root), handoff_wait_s=30, **REFERENCE_PATH
+        REFERENCE_PATH,
+        dp_size=2,
+        ingress={"replicas": 2},
+        handoff={"ec_root": str(ec_root), "wait_s": 30},
     )
     serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
@@ -61,7 +67,9 @@ def url(serve_url, ec_root):
 def bf16_url(serve_url):
     """dp 1 in bfloat16, no ec_root, image URLs fetched (loopback allowed)."""
     urls = {"allow_http": True, "allow_private_networks": True}
-    args = app_args(dp_size=1, dtype="bfloat16", image_urls=urls, **REFERENCE_PATH)
+    args = app_args(
+        REFERENCE_PATH, dp_size=1, model={"dtype": "bfloat16"}, handoff={"image_urls": urls}
+    )
     serve.run(bind_app(args), name=BF16_APP, route_prefix=f"/{BF16_APP}")
     yield f"{serve_url}/{BF16_APP}"
     serve.delete(BF16_APP)
@@ -347,4 +355,4 @@ def test_vllm_ec_without_ec_root_says_how_to_configure_it(bf16_url):
     }
     response = requests.post(f"{bf16_url}/v1/encode", json=body, timeout=120)
     assert response.status_code == 400
-    assert "set args.ec_root to the vLLM consumer's shared_storage_path" in response.text
+    assert "set the app's args handoff.ec_root to the vLLM consumer's" in response.text

@@ -29,7 +29,7 @@ def test_features_match_in_process_encoder(deploy, images, expected, dp_size, nu
     want = expected[num_images]
     assert [item["index"] for item in body["items"]] == list(range(num_images))
     patches = [int(np.prod(item["grid_thw"])) for item in body["items"]]
-    # Which rank answered depends on timing: a call late past rank_slow_after_s (1 s; dp 3
+    # Which rank answered depends on timing: a call late past dispatch.slow_after_s (1 s; dp 3
     # on 2 cores with one busy reached it) makes its rank slow, and its images go to the
     # others too (first answer wins). The owners are asserted to be ranks of this app; the
     # assignment itself is tested in tests/test_assign.py and test_only_owning_ranks_are_called.

@@ -35,10 +35,11 @@ def strict(deploy, tmp_path_factory) -> str:
     return deploy(
         1,
         "strict",
-        api_key_file=str(key_file),
-        request_timeout_s=TIMEOUT_S,
-        max_images_per_request=64,
-        max_patches_per_request=1 << 20,
+        ingress={
+            "api_key_file": str(key_file),
+            "request_timeout_s": TIMEOUT_S,
+            "limits": {"max_images_per_request": 64, "max_patches_per_request": 1 << 20},
+        },
     )
 
 
@@ -146,4 +147,5 @@ def test_default_config_binds_loopback_and_has_no_key_in_it():
     assert config["http_options"]["host"] == "127.0.0.1"
     for name in ("config.yaml", "k3-8gpu.yaml"):
         (app,) = yaml.safe_load((ROOT / "configs" / name).read_text())["applications"]
-        assert "api_key" not in app["args"]  # only api_key_file (or the env var) may hold it
+        # only ingress.api_key_file (or the env var) may hold it
+        assert "api_key" not in app["args"].get("ingress", {})

@@ -66,14 +66,14 @@ def shipped_config(port: int) -> dict:
 
 def test_config_giving_one_rank_other_resources_is_refused(tmp_path):
     """A `deployments:` entry that changes one rank's ray_actor_options disagrees with
-    rank_actor_options (which set the device and threads): that rank refuses to start,
+    ranks.actor_options (which set the device and threads): that rank refuses to start,
     naming both."""
     config = shipped_config(free_port())
     override = {"name": "EncoderRank_1", "ray_actor_options": {"num_cpus": 0.5}}
     config["applications"][0]["deployments"] = [override]
     process, log = start_serve_run(tmp_path, config)
     want = (
-        "rank 1 was started with Ray resources {'CPU': 0.5}, but rank_actor_options asks "
+        "rank 1 was started with Ray resources {'CPU': 0.5}, but ranks.actor_options asks "
         "for {'CPU': 0.0, 'GPU': 0.0}"
     )
     try:

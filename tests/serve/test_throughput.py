@@ -78,7 +78,9 @@ def apps(serve_url, board):
 def batching_url(apps) -> str:
     """dp 1, two CPUs for the rank, no cache; held calls are not hedged."""
     args = app_args(
-        dp_size=1, rank_actor_options={"num_cpus": 2}, feature_cache_bytes=0, rank_slow_after_s=60
+        dp_size=1,
+        ranks={"actor_options": {"num_cpus": 2}, "cache_bytes": 0},
+        dispatch={"slow_after_s": 60},
     )
     return apps("batching", args)
 
@@ -88,12 +90,14 @@ def two_ingress_url(apps) -> str:
     """dp 2 behind two ingress replicas, owners by patch count, loads polled per request."""
     args = app_args(
         dp_size=2,
-        ingress_replicas=2,
-        feature_cache_bytes=0,
-        cost_model="patches",
-        load_report_interval_ms=0,
-        rank_slow_after_s=60,  # rank 0 is held on purpose: not hedged
-        rank_route_timeout_s=30,  # nor hedged or silent when a busy machine routes slowly
+        ingress={"replicas": 2},
+        ranks={"cache_bytes": 0},
+        dispatch={
+            "cost_model": "patches",
+            "load_report_interval_ms": 0,
+            "slow_after_s": 60,  # rank 0 is held on purpose: not hedged
+            "route_timeout_s": 30,  # nor hedged or silent when a busy machine routes slowly
+        },
     )
     return apps("two_ingress", args)
 
@@ -109,7 +113,7 @@ def wait_outstanding(url: str, rank: int, images: int) -> None:
 @pytest.fixture(scope="module")
 def cache_url(deploy) -> str:
     """dp 2 with the defaults: fitted costs, a feature cache, cache affinity."""
-    return deploy(2, "cached", feature_cache_bytes=64 << 20, cost_model="fitted")
+    return deploy(2, "cached", ranks={"cache_bytes": 64 << 20}, dispatch={"cost_model": "fitted"})
 
 
 def test_concurrent_requests_are_batched_and_match_unbatched(batching_url, board, reference):
@@ -179,7 +183,7 @@ def test_an_image_sent_by_digest_that_the_rank_lost_is_sent_again_with_its_bytes
     """A rank whose cache no longer holds an image it answered (here: a cache smaller
     than the features, so nothing stays) answers it missing; the ingress sends it again
     with its bytes in the same request, and the answer is the first one's."""
-    url = deploy(2, "tiny_cache", feature_cache_bytes=1024)
+    url = deploy(2, "tiny_cache", ranks={"cache_bytes": 1024})
     image = fresh(60, 160, 120)
     first = encode(url, items_of(image))
     assert first.status_code == 200, first.text
@@ -228,7 +232,7 @@ def kept_url(deploy, reference) -> str:
     """dp 2 whose ingress holds the ranks' cached features, room for two images'."""
     item = reference.plan(fresh(70, *KEPT_SIZE))
     one = reference.vision.num_tokens(item.grid) * reference.vision.text_hidden_size * 4
-    return deploy(2, "kept", feature_cache_bytes=64 << 20, ingress_cache_bytes=2 * one)
+    return deploy(2, "kept", ranks={"cache_bytes": 64 << 20}, ingress={"cache_bytes": 2 * one})
 
 
 def test_the_ingress_answers_a_repeated_image_from_the_features_it_kept(kept_url, reference):
