@@ -26,14 +26,11 @@ from kimi_encoder.items import resolve_backend
 # What the replica processes ask of glibc's malloc: never hand a large block its own mmap
 # (mmap_max=0), and give memory back to the kernel only when more than 256 MB is free at
 # the top of a heap (trim_threshold). An answer body of tens of MB is otherwise a fresh
-# mapping each time (above 32 MB always), every 4 KB page of it faulted in and zeroed on
-# first write, then unmapped when freed; kept in the heap, the next body reuses pages
-# already mapped. Measured side by side on the 2-core test machine (bench_bytes' hit
-# cells, 448x448 images at width 7168, 4 per request, dp 2, five 3 s windows): against
-# glibc's defaults, MB/s 1.37x (float32 safetensors), 1.19x (bfloat16 safetensors),
-# 1.11x (bfloat16 JSON), float32 JSON within noise (0.94x, 0.69-1.55); huge-page malloc
-# (glibc.malloc.hugetlb=1, the previous default) gave 1.13x, 1.04x, 0.88x, 1.01x.
-# The price: up to trim_threshold of freed memory stays resident per heap.
+# mapping each time, every page of it faulted in and zeroed on first write, then unmapped
+# when freed; kept in the heap, the next body reuses pages already mapped. It moved more
+# answer bytes per second than glibc's defaults and than huge-page malloc (docs/api.md,
+# "Measurements behind the code"). The price: up to trim_threshold of freed memory stays
+# resident per heap.
 GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456"
 TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
 

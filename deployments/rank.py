@@ -67,8 +67,8 @@ class EncoderRank:
     ref and an answer carries refs, which the ingress reads in place
     (``handles.RankCall``). A cache hit then costs the rank no copy: returning the
     arrays themselves would write every byte into the object store again on every
-    hit (measured with 2 x 7.3 MB per call on a 2-core EPYC: 9 CPU-ms per call
-    over all processes as arrays, 3-4 as refs). If the rank dies, its refs die
+    hit, which costs the processes several times the CPU of answering refs
+    (docs/api.md, "Measurements behind the code"). If the rank dies, its refs die
     with it and the ingress re-dispatches those images, as for any lost rank.
     """
 
@@ -162,8 +162,7 @@ class EncoderRank:
         # left the device), or with the cache on that buffer written once into the object
         # store (StoredFeatures). Arrays are carried as they are: Ray writes the answer
         # into one object-store object, every array's bytes once, and the ingress reads
-        # each in place. Concatenating them here first would copy every byte once more
-        # (4 ms per 14.7 MB on a 2-core EPYC).
+        # each in place. Concatenating them here first would copy every byte once more.
         features = [_carried(r) for r in results]
         answered = [i for i, r in zip(items, results, strict=True) if r is not NOT_CACHED]
         backend = next((i.deferred.backend for i in answered if i.deferred is not None), "none")

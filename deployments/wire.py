@@ -16,21 +16,16 @@ body is then written once, never upcast:
   copies them all again into its output (and has no bfloat16).
 
 Not streamed: Serve 2.60 pickles every ASGI message to its proxy, which takes
-``bytes``, so chunks of the arrays cost the same copy as the join. Sent as 4 MB
-chunks, the served safetensors answers of ``bench_bytes`` (448x448 images at
-width 7168, 4 per request, dp 2, 4 clients, cache hits, 2-core EPYC, 5 repeats)
-moved 217 vs 219 MB/s in float32 and 145 vs 150 in bfloat16: no gain.
+``bytes``, so chunks of the arrays cost the same copy as the join; served answers
+sent in chunks moved no more bytes per second.
 
 Always ``bytes``, behind HAProxy too. Written into one numpy buffer and handed to
-the socket as a view, a body skips one copy where the replica writes its own socket
-(4 items of 256 x 7168 float32 as JSON: 5.7 against 8.9 ms alone on one core of the
-2-core EPYC, malloc set as the replicas run it). It cannot go everywhere: HAProxy's
-backup server is Serve's proxy, which pickles the answer and cannot pickle a view,
-so the path must be told per request (only by the type of Serve's private ASGI
-``receive``). Served behind HAProxy (``bench_bytes``' hit cells, 4 clients, four 4 s
-windows per cell, each version in a run of its own), the ingress replica's CPU per
-request did not move beyond the noise: float32 JSON 31.6 ms as ``bytes``, 34.0 as a
-view; bfloat16 JSON 20.4 and 17.6; safetensors 22.4 and 22.4, 12.7 and 14.6.
+the socket as a view, a body skips one copy where the replica writes its own
+socket, faster alone. It cannot go everywhere: HAProxy's backup server is Serve's
+proxy, which pickles the answer and cannot pickle a view, so the path must be told
+per request (only by the type of Serve's private ASGI ``receive``); served behind
+HAProxy, the ingress replica's CPU per request did not move beyond the noise. The
+figures of both are in docs/api.md, "Measurements behind the code".
 
 ``benchmarks/bench_wire.py`` measures both paths (time per MB, bytes allocated
 per payload byte).

@@ -1,9 +1,9 @@
 """Base64 for image uploads and JSON features, with SIMD (``pybase64``).
 
 Base64 is on every JSON request (each image) and every JSON answer (each
-item's features: 7.3 MB of float32 per 448x448 image at Kimi-K3's width). On one
-core of a 2-core EPYC the standard library decodes 0.8 MB of base64 in 1.9 ms and
-encodes 29.4 MB in 91 ms; ``pybase64`` (SIMD) takes 0.1 ms and 40 ms.
+item's features: megabytes per image at Kimi-K3's width), where ``pybase64``
+(SIMD) is faster than the standard library both ways, decoding most
+(docs/api.md, "Measurements behind the code").
 
 ``decode`` accepts exactly what ``base64.b64decode(text, validate=True)``
 accepts and returns the same bytes: the fast decoder is stricter about excess

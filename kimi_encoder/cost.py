@@ -30,8 +30,8 @@ class CostModel:
         return self.a * patches * patches + self.b * patches + self.c
 
     def as_dict(self) -> dict[str, float]:
-        """The coefficients by name (``dataclasses.asdict`` deep-copies: 20x slower, and a
-        rank reports them with every answer)."""
+        """The coefficients by name (``dataclasses.asdict`` deep-copies, many times slower,
+        and a rank reports them with every answer)."""
         return {"a": self.a, "b": self.b, "c": self.c}
 
     @classmethod

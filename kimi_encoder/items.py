@@ -214,8 +214,8 @@ class EncoderItem:
         return self.image is None and self.pixel_values is None and self.image_sha256 is not None
 
     # Items cross process boundaries (ingress -> rank) by pickle. A tensor pickles through
-    # torch's storage serializer: about 0.14 ms each way per item on a 2-core EPYC, more
-    # than the rest of an image item together (its file bytes included). An int64 grid
+    # torch's storage serializer, which costs more than the rest of an image item together
+    # (its file bytes included; docs/api.md, "Measurements behind the code"). An int64 grid
     # (every grid admission makes) travels as nested lists of ints instead.
     def __getstate__(self) -> dict[str, Any]:
         grid = self.grid_thws

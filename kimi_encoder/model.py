@@ -14,11 +14,9 @@ bfloat16 or float16 (flash attention takes no float32), this torch has
 ``VARLEN_BELOW_MEAN_PATCHES`` patches on average); otherwise ``sdpa``, one
 ``scaled_dot_product_attention`` call per image (the CPU path, float32 on CUDA,
 and batches of large images, where SDPA's own kernel choice, cuDNN's flash
-attention on Hopper, beats ``varlen_attn``'s: measured on an H200, full K3
-tower in bfloat16, 543 vs 360 TFLOP/s for one 16384-patch image, 458 vs 359 for
-4 x 4096, 377 vs 362 for 16 x 1024, but 280 vs 357 for 64 x 256, where one
-launch per image and layer makes SDPA wait on the host). Both use scale
-1/sqrt(head_dim).
+attention on Hopper, beats ``varlen_attn``'s, except for many small images,
+where one launch per image and layer makes SDPA wait on the host; the H200
+figures are in docs/benchmarks/gpu-h200.md). Both use scale 1/sqrt(head_dim).
 ``varlen`` asks for ``num_splits=1`` where this torch accepts it, so an image's
 attention output does not depend on which other images share its batch.
 
