@@ -209,6 +209,8 @@ class Section:
         for part in self.parts:
             lines += [part, ""]
         record = self._record_lines()
+        if record[:1] == [""]:  # a table's blank line follows the title's
+            record = record[1:]
         return "\n".join(lines + record + ([""] if record else []))
 
     def _record_lines(self) -> list[str]:
@@ -235,6 +237,10 @@ class Section:
 
 class SectionTimeout(Exception):
     pass
+
+
+class Skip(Exception):
+    """Raised by a section that cannot run here; its message says why."""
 
 
 @contextlib.contextmanager
@@ -284,7 +290,8 @@ class Report:
     ) -> Section:
         """``fn(section)`` under the lower of ``deadline_s`` and what the budget has left;
         skipped, saying so, when fewer than ``min_s`` seconds are left. A failed check
-        fails the section; an exception is recorded and the run goes on."""
+        fails the section; ``Skip`` skips it with its reason; another exception is
+        recorded and the run goes on."""
         left = self.left() - self.RESERVE_S
         section = Section(name, deadline_s=min(deadline_s, left), _save=self.save_section)
         self.save_section(section)
@@ -301,6 +308,9 @@ class Report:
             except SectionTimeout as exc:
                 section.status = "timeout"
                 section.error = str(exc)
+            except Skip as exc:
+                section.status = f"skipped: {exc}"
+                say(f"  {section.status}")
             except Exception as exc:  # noqa: BLE001 - recorded; the next sections still run
                 section.status = "error"
                 section.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"

@@ -166,7 +166,12 @@ def feature_bytes(body: bytes) -> int:
 
 
 def handoff(
-    client: Http, path: str, sink: Sink, parts: list[list[bytes]], seconds: float
+    client: Http,
+    path: str,
+    sink: Sink,
+    parts: list[list[bytes]],
+    seconds: float,
+    clients: int = CLIENTS,
 ) -> tuple[float, float, int]:
     """(MB/s, parts/s, parts) pushed to ``sink`` by the server at ``path`` (``/encode``)."""
     bodies = [
@@ -177,7 +182,7 @@ def handoff(
         client.post(path, body, "application/json")
 
     messages, nbytes, start = sink.messages, sink.bytes, time.perf_counter()
-    sent = run_for(send, bodies, CLIENTS, seconds)
+    sent = run_for(send, bodies, clients, seconds)
     sink.wait_for(messages + sent)
     elapsed = sink.last - start
     return (sink.bytes - nbytes) / elapsed / 1e6, sent / elapsed, sent
@@ -206,11 +211,11 @@ def http_body(
 
 
 def vllm_files(
-    client: Http, prefix: str, parts: list[list[bytes]], ec_root: Path, seconds: float
+    client: Http, prefix: str, parts: list[list[bytes]], seconds: float, clients: int = CLIENTS
 ) -> tuple[float, float, int]:
-    """(MB/s, requests/s, requests) of vLLM encoder-cache files written under ``ec_root``
-    by ``/v1/encode`` requests with output kind ``vllm_ec``; each part's images keep
-    their uuids, so every request replaces the same files (a bounded tmpfs)."""
+    """(MB/s, requests/s, requests) of vLLM encoder-cache files the server writes under its
+    ``ec_root`` for ``/v1/encode`` requests with output kind ``vllm_ec``; each part's images
+    keep their uuids, so every request replaces the same files (a bounded tmpfs)."""
     bodies = []
     for p, images in enumerate(parts):
         uuids = [f"bench-{p}-{i}" for i in range(len(images))]
@@ -221,12 +226,12 @@ def vllm_files(
 
     def send(body: bytes) -> None:
         answer, _ = client.post(f"{prefix}/v1/encode", body, "application/json")
-        nbytes = sum(entry["nbytes"] for entry in json.loads(answer)["items"])
+        nbytes = sum(entry["bytes"] for entry in json.loads(answer)["items"])
         with lock:
             written[0] += nbytes
 
     start = time.perf_counter()
-    sent = run_for(send, bodies, CLIENTS, seconds)
+    sent = run_for(send, bodies, clients, seconds)
     elapsed = time.perf_counter() - start
     return written[0] / elapsed / 1e6, sent / elapsed, sent
 

@@ -46,10 +46,18 @@ def free_port() -> int:
 
 
 def app_args(**fields):
-    """``AppArgs`` of ``fields``: every benchmark builds its apps' arguments here. The
-    benchmarks name each field by its flat key (``dp_size``, ``feature_cache_bytes``,
-    ...); where ``AppArgs`` groups them by component, each goes to the section its
-    ``MOVED`` entry names (``feature_cache_bytes`` -> ``ranks.cache_bytes``)."""
+    """``AppArgs`` of ``fields`` (``nested_args``): every benchmark builds its apps'
+    arguments here."""
+    from deployments.args import AppArgs
+
+    return AppArgs(**nested_args(fields))
+
+
+def nested_args(fields: dict) -> dict:
+    """A config's ``args:`` of ``fields``. The benchmarks name each field by its flat key
+    (``dp_size``, ``feature_cache_bytes``, ...); where ``AppArgs`` groups them by
+    component, each goes to the section its ``MOVED`` entry names
+    (``feature_cache_bytes`` -> ``ranks.cache_bytes``)."""
     from deployments import args
 
     moved = getattr(args, "MOVED", {})
@@ -60,7 +68,7 @@ def app_args(**fields):
         for section in sections:
             node = node.setdefault(section, {})
         node[leaf] = value
-    return args.AppArgs(**nested)
+    return nested
 
 
 def bench_args(checkpoint: str, dp: int, **fields):

@@ -1,0 +1,143 @@
+"""benchmarks/gpu_served.py: its CPU twin (tiny preset, CPU, ``serve run`` on a local Ray) runs
+every section or says why not, its answers are right, and its rows carry what the GPU run
+reports; and the pure parts of benchmarks/served.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_served, served
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_served")
+    script = ROOT / "benchmarks" / "gpu_served.py"
+    command = [sys.executable, str(script), "--cpu-smoke", "--out", str(out)]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+    return done, out, json.loads((out / "gpu_served.json").read_text())
+
+
+@pytest.mark.serve
+def test_cpu_smoke_runs_every_section_or_says_why_not(smoke):
+    done, out, report = smoke
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert done.stdout.startswith("versions: python ")
+    assert (report["mode"], report["preset"], report["exit_code"]) == ("cpu-smoke", "tiny", 0)
+    assert list(report["sections"]) == list(gpu_served.SECTIONS)
+    for name, section in report["sections"].items():
+        status = section["status"]
+        assert status == "pass" or (status.startswith("skipped: ") and len(status) > 12), (
+            name,
+            status,
+            section.get("error"),
+        )
+        assert all(c["status"] == "pass" for c in section["checks"]), (name, section["checks"])
+    assert len(list(out.iterdir())) <= 8  # what the device machine sends back
+    markdown = (out / "gpu_served.md").read_text()
+    assert "## http, cache off: pass" in markdown
+
+
+@pytest.mark.serve
+def test_cpu_smoke_answers_match_the_in_process_encoder(smoke):
+    """Every app's answers are checked against the encoder, behind each ingress that ran;
+    every request of every window answered 200; every pushed part reached the sink and
+    every encoder-cache file is complete."""
+    _, _, report = smoke
+    sections = report["sections"]
+    names = {c["name"] for s in sections.values() for c in s["checks"] if c["status"] == "pass"}
+    assert {"/off answers match the encoder", "/on answers match the encoder"} <= names
+    assert "every part's frames reached the sink" in names
+    assert "every file complete, no temporary left" in names
+    http = sections["http, cache off"]["checks"]
+    assert [c["errors"] for c in http if c["name"] == "every request answered 200"] == [0]
+
+
+@pytest.mark.serve
+def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
+    _, _, report = smoke
+    sections = report["sections"]
+    tower = sections["tower"]["results"]
+    square = tower["tower, square set"]["images_per_s"]
+    assert square > 0
+    assert tower["tower, mixed set"]["images_per_s"] > 0
+    off = sections["http, cache off"]["results"]
+    for per in gpu_served.SMOKE.per_request:
+        for clients in gpu_served.SMOKE.clients:
+            row = off[f"{per} per request, {clients} clients"]
+            assert row["errors"] == 0
+            assert row["images_per_s"] > 0
+            assert row["of_tower"] == pytest.approx(row["images_per_s"] / square, rel=2e-3)
+            rank = row["rank"]
+            assert rank["images"] > 0
+            stages = ("queue_ms", "decode_preprocess_ms", "to_device_ms", "forward_ms", "copy_ms")
+            assert all(rank[s] >= 0 for s in stages)
+            assert 0 < rank["gpu_busy"] <= 1.5  # forward time over the window (wall on CPU)
+            assert rank["hedged"] == rank["redispatched"] == 0
+    assert any(key.startswith("mixed set") for key in off)
+    cached = sections["http, every image cached"]["results"]
+    rows = [row for row in cached.values() if isinstance(row, dict) and "rank" in row]
+    assert len(rows) == 4
+    assert all(row["rank"]["images"] == 0 and row["images_per_s"] > 0 for row in rows)
+    for name in ("sglang parts", "vllm files"):
+        rows = [r for r in sections[name]["results"].values() if isinstance(r, dict)]
+        assert len(rows) == 2, name  # cache off, every image cached
+        assert all(r["images_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows), name
+    batcher = sections["batcher"]["results"]
+    assert all(batcher[f"concurrency {c}"]["of_tower"] > 0 for c in gpu_served.SMOKE.clients)
+
+
+def test_served_config_turns_the_shipped_config_into_apps_the_app_accepts():
+    """configs/k3-8gpu.yaml as two apps on a loopback port; each app's args, with the
+    benchmark's changes written by their flat names, validate as ``AppArgs``."""
+    from deployments.args import AppArgs
+
+    changes = {"checkpoint": "tiny", "dp_size": 1, "ec_root": "/tmp"}
+    changes |= {"feature_cache_bytes": 0, "ingress_cache_bytes": 0}
+    config = served.served_config(gpu_served.CONFIG, 8123, {"off": changes, "on": {"dp_size": 1}})
+    assert config["http_options"]["host"] == "127.0.0.1"
+    assert config["http_options"]["port"] == 8123
+    apps = config["applications"]
+    assert [(a["name"], a["route_prefix"]) for a in apps] == [("off", "/off"), ("on", "/on")]
+    off, on = (AppArgs.model_validate(app["args"]) for app in apps)
+    assert off.model_dump() != on.model_dump()
+    dumped = json.dumps(off.model_dump(), default=str)
+    assert '"tiny"' in dumped
+    assert '"/tmp"' in dumped
+
+
+def test_merged_keeps_what_the_top_does_not_change():
+    base = {"a": {"b": 1, "c": {"d": 2}}, "e": [1]}
+    top = {"a": {"c": {"f": 3}}, "e": [2]}
+    assert served.merged(base, top) == {"a": {"b": 1, "c": {"d": 2, "f": 3}}, "e": [2]}
+    assert base == {"a": {"b": 1, "c": {"d": 2}}, "e": [1]}  # not changed in place
+
+
+def test_inside_rank_gives_time_per_image_and_the_gpu_busy_share():
+    """10 images in 2 batches over a 2 s window: 0.2 s of forward, 0.1 s of queueing..."""
+    zero = dict.fromkeys(served.RANK_COUNTERS + served.FAILOVER_COUNTERS, 0.0)
+    zero |= {"unavailable_errors": 0.0, "has_stage_counters": 1.0}
+    after = zero | {"forwarded": 10.0, "batches": 2.0, "forward_s": 0.2, "queue_s": 0.1}
+    after |= {"host_s": 0.05, "device_s": 0.01, "copy_s": 0.02, "store_s": 0.03}
+    after |= {"hedged_images": 1.0}
+    got = served.inside_rank(zero, after, wall_s=2.0, tower_ips=100.0, decode_ms=1.5)
+    assert got["images"] == 10
+    assert got["per_batch"] == 5
+    assert got["hedged"] == 1
+    assert got["gpu_busy"] == pytest.approx(0.1)
+    assert got["forward_ms"] == pytest.approx(20.0)
+    assert got["forward_of_tower"] == pytest.approx(2.0)  # the tower takes 10 ms an image
+    want = {"queue_ms": 10.0, "decode_preprocess_ms": 5.0, "to_device_ms": 1.0}
+    want |= {"copy_ms": 2.0, "store_ms": 3.0, "decode_ms": 1.5}
+    assert {k: pytest.approx(v) for k, v in want.items()} == {k: got[k] for k in want}
+    older = after | {"has_stage_counters": 0.0}  # a rank without the stage counters
+    assert "queue_ms" not in served.inside_rank(zero, older, 2.0, 100.0, 1.5)
