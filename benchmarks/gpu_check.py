@@ -31,16 +31,19 @@ The float32 settings are the library's and the process's own (reported as
 ``fp32_precision``): this script sets none. Writes ``gpu_check.json`` and
 ``gpu_check.md`` into ``--out`` after every measurement. Exit status 1 when a check
 fails or a section errors. Imports only ``kimi_encoder`` and, for the served section,
-``deployments.batcher``.
+``deployments.batcher``, whose settings are pydantic models: where pydantic does not
+import, the Ray site carried with the tree is unpacked first (``served.carried_site``).
 """  # noqa: E501 (the commands stay one line each, to paste)
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -328,6 +331,10 @@ def preprocess_rates(data: bytes, cfg: PreprocessConfig, plan: Plan) -> dict:
 
 def section_served(sec: Section, ctx: Context) -> None:
     """dp 1 on one device: closed-loop clients through the rank's RankBatcher, in-process."""
+    if importlib.util.find_spec("pydantic") is None:
+        from benchmarks.served import BUNDLE, carried_site
+
+        sec.record("site", carried_site(BUNDLE, Path(tempfile.gettempdir()) / "kimi-encoder-site"))
     plan = ctx.plan
     preset = get_preset(plan.preset)
     images = [encoded(photo(w, h, seed=i), "JPEG") for i, (w, h) in enumerate(plan.served_sizes)]

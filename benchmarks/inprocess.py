@@ -128,18 +128,12 @@ def batcher_section(
 
 def uncached_batcher(encoder: VisionEncoder, decode_threads: int):
     """(a ``RankBatcher`` of ``encoder`` with the feature cache off, its batching settings):
-    every request encodes. The settings are ``args.BatchingArgs``, or the batcher's own
-    ``BatchingConfig`` in checkouts from before the arguments were grouped."""
-    from deployments import batcher as batching
-
-    threads = torch.get_num_threads()
-    if hasattr(batching, "BatchingConfig"):
-        config = batching.BatchingConfig(cache_bytes=0, decode_threads=decode_threads)
-        return batching.RankBatcher(encoder, config, num_threads=threads), config
+    every request encodes."""
     from deployments.args import BatchingArgs
+    from deployments.batcher import RankBatcher
 
     config = BatchingArgs(decode_threads=decode_threads)
-    return batching.RankBatcher(encoder, config, threads, cache_bytes=0), config
+    return RankBatcher(encoder, config, torch.get_num_threads(), cache_bytes=0), config
 
 
 def tower_only_rate(

@@ -56,14 +56,13 @@ def app_args(**fields):
 def nested_args(fields: dict) -> dict:
     """A config's ``args:`` of ``fields``. The benchmarks name each field by its flat key
     (``dp_size``, ``feature_cache_bytes``, ...); where ``AppArgs`` groups them by
-    component, each goes to the section its ``MOVED`` entry names
+    component, each goes to the section ``deployments.args.MOVED`` names
     (``feature_cache_bytes`` -> ``ranks.cache_bytes``)."""
-    from deployments import args
+    from deployments.args import MOVED
 
-    moved = getattr(args, "MOVED", {})
     nested: dict = {}
     for key, value in fields.items():
-        *sections, leaf = moved.get(key, key).split(".")
+        *sections, leaf = MOVED.get(key, key).split(".")
         node = nested
         for section in sections:
             node = node.setdefault(section, {})
