@@ -1,6 +1,6 @@
-"""Engine hand-off throughput: feature bytes delivered per second to a ZMQ PULL on loopback.
+"""Engine hand-off: feature bytes delivered per second, and the ingress's CPU per part.
 
-    python -m benchmarks.bench_handoff [--quick]
+    python -m benchmarks.bench_handoff [--quick] [--only throughput cpu]
 
 One run, four paths carrying the same feature bytes, side by side:
 
@@ -29,6 +29,12 @@ reads an answer for a small fraction of the CPU that ``requests``' ``.content``
 takes: on a machine of few cores a slow client would slow the HTTP path by its
 own CPU, not the server's.
 
+The CPU line (``--only cpu``): on the same app, sglang parts and vLLM requests
+(encoder-cache files onto a tmpfs ``ec_root``) of small and of large images,
+every image cached, alternated in the same repeats; the ingress's CPU per part
+through the two sizes is a line: CPU-ms per part whatever its size, plus CPU-ms
+per MB of features, fitted per repeat.
+
 Each window also records the CPU time of every process (``benchmarks/cpu.py``):
 CPU-ms per part by role, and the rate those milliseconds allow on this machine's
 cores (the CPU-bound limit), so a path's distance from plain ZMQ is explained by
@@ -37,17 +43,19 @@ measurement.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import zmq
 
 from . import cpu
-from .common import Section, alternate, ratio, spread, table
-from .page import standalone
+from .common import Section, alternate, line_through, ratio, spread, table
+from .page import arguments, standalone
 from .paths import (
     CLIENTS,
     HANDOFF_APP,
@@ -61,9 +69,10 @@ from .paths import (
     http_body,
     part_images,
     plain_zmq,
+    vllm_files,
     warm_up,
 )
-from .serving import K3_WIDTH, Http, free_port, server_failed, wide_checkpoint
+from .serving import K3_WIDTH, Http, free_port, server_failed, tmpfs, wide_checkpoint
 
 HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
 FLOOR = "floor"
@@ -94,13 +103,13 @@ def with_cpu(run, app: str = HANDOFF_APP) -> Run:
     return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()), app)
 
 
-def sections(quick: bool) -> list[Section]:
+@contextlib.contextmanager
+def handoff_app(ec_root: str) -> Iterator[tuple[Http, str, Sink, zmq.Context]]:
+    """A one-machine cluster running the hand-off app (files under ``ec_root``) and the
+    Serve floor: (client, the app's prefix, a ZMQ sink here, its context)."""
     import ray
     from ray import serve
 
-    window = 3.0 if quick else 6.0
-    repeats = 3 if quick else 5  # see feature_bytes.Settings.repeats
-    parts = part_images()
     context = zmq.Context()
     sink = Sink(context)
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,32 +118,56 @@ def sections(quick: bool) -> list[Section]:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
-            client = Http(port)
-            prefix = deploy_handoff(checkpoint)
-            warm_up(client, prefix, sink, parts)
-            part_size = sink.bytes // max(sink.messages, 1)
-            serve.run(floor_app(), name=FLOOR, route_prefix=f"/{FLOOR}")
-            floor = f"/{FLOOR}/encode?n={part_size}"
-            paths = {
-                "hand-off: /encode, pushed over ZMQ": lambda: with_cpu(
-                    lambda: handoff(client, f"{prefix}/encode", sink, parts, window)
-                ),
-                "HTTP body: /v1/encode safetensors": lambda: with_cpu(
-                    lambda: http_body(client, prefix, parts, window)
-                ),
-                "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
-                    lambda: plain_zmq(context, sink, part_size, window)
-                ),
-                "Serve floor: trivial /encode, two hops joined, pushed": lambda: with_cpu(
-                    lambda: handoff(client, floor, sink, parts, window), FLOOR
-                ),
-            }
-            measured = alternate(paths, repeats, rerun_if=server_failed)
+            yield Http(port), deploy_handoff(checkpoint, ec_root), sink, context
         finally:
             serve.shutdown()
             ray.shutdown()
             sink.close()
             context.term()
+
+
+PARTS_OF = ("throughput", "cpu")  # --only: the sections' parts
+
+
+def sections(quick: bool, only: tuple[str, ...] = PARTS_OF) -> list[Section]:
+    window = 3.0 if quick else 6.0
+    repeats = 3 if quick else 5  # see feature_bytes.Settings.repeats
+    out = []
+    with (
+        tempfile.TemporaryDirectory(dir=tmpfs()) as ec_root,
+        handoff_app(ec_root) as (client, prefix, sink, context),
+    ):
+        if "throughput" in only:
+            out.append(throughput(client, prefix, sink, context, window, repeats))
+        if "cpu" in only:
+            out.append(cpu_line(client, prefix, sink, window, repeats))
+    return out
+
+
+def throughput(client: Http, prefix: str, sink: Sink, context, window: float, repeats: int):
+    from ray import serve
+
+    parts = part_images()
+    warm_up(client, prefix, sink, parts)
+    part_size = sink.bytes // max(sink.messages, 1)
+    serve.run(floor_app(), name=FLOOR, route_prefix=f"/{FLOOR}")
+    floor = f"/{FLOOR}/encode?n={part_size}"
+    paths = {
+        "hand-off: /encode, pushed over ZMQ": lambda: with_cpu(
+            lambda: handoff(client, f"{prefix}/encode", sink, parts, window)
+        ),
+        "HTTP body: /v1/encode safetensors": lambda: with_cpu(
+            lambda: http_body(client, prefix, parts, window)
+        ),
+        "plain ZMQ PUSH/PULL, same sizes": lambda: with_cpu(
+            lambda: plain_zmq(context, sink, part_size, window)
+        ),
+        "Serve floor: trivial /encode, two hops joined, pushed": lambda: with_cpu(
+            lambda: handoff(client, floor, sink, parts, window), FLOOR
+        ),
+    }
+    measured = alternate(paths, repeats, rerun_if=server_failed)
+    serve.delete(FLOOR)
     mb = {path: [run.mb_per_s for run in runs] for path, runs in measured.items()}
     ours, http, plain, bare = mb.values()
     rows = [
@@ -168,13 +201,11 @@ def sections(quick: bool) -> list[Section]:
             ["hand-off / Serve floor", ratio(ours, bare).fmt(2, "x")],
         ],
     )
-    return [
-        Section(
-            "Engine hand-off",
-            "python -m benchmarks.bench_handoff",
-            [note, table(HEADER, rows), verdict, FLOORS, floors, *cpu_tables(measured)],
-        )
-    ]
+    return Section(
+        "Engine hand-off",
+        "python -m benchmarks.bench_handoff --only throughput",
+        [note, table(HEADER, rows), verdict, FLOORS, floors, *cpu_tables(measured)],
+    )
 
 
 FLOORS = (
@@ -212,8 +243,76 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
     return [note, table(["CPU-ms per part", *names], rows)]
 
 
+# The two part sizes of the CPU line: 2 JPEGs of this side each (256 and 1024 tokens).
+SIDES = {"small": 448, "large": SIDE}
+LINE_PATHS = ("sglang parts (/encode, pushed)", "vLLM requests (/v1/encode, files)")
+
+
+def cpu_line(client: Http, prefix: str, sink: Sink, window: float, repeats: int) -> Section:
+    """The ingress's CPU per sglang part and per vLLM request through small and large parts,
+    every image cached, the four cells alternated."""
+    parts = {size: part_images(side) for size, side in SIDES.items()}
+    for images in parts.values():
+        warm_up(client, prefix, sink, images)
+    setups = {}
+    for size, images in parts.items():
+        setups[(LINE_PATHS[0], size)] = lambda images=images: with_cpu(
+            lambda: handoff(client, f"{prefix}/encode", sink, images, window)
+        )
+        setups[(LINE_PATHS[1], size)] = lambda images=images: with_cpu(
+            lambda: vllm_files(client, prefix, images, window)
+        )
+    measured = alternate(setups, repeats, rerun_if=server_failed)
+    note = (
+        f"The hand-off app above (tiny tower, width {K3_WIDTH}, bfloat16, dp 2, every image "
+        f"cached after a warm-up); parts (requests) of {IMAGES_PER_PART} JPEGs of "
+        f"{SIDES['small']}x{SIDES['small']} (small) or {SIDES['large']}x{SIDES['large']} "
+        f"px (large), {PARTS} of each round robin, {CLIENTS} clients; vLLM files under an "
+        f"`ec_root` on a tmpfs; {window:g} s per cell, {repeats} repeats alternating the four "
+        "cells: median (min–max). CPU of the ingress replicas (the hand-off registry's "
+        "included) and of all of ours, per part; the fitted line goes through each repeat's "
+        "small and large cell: CPU-ms per part whatever its size, plus CPU-ms per MB of "
+        "features."
+    )
+    return Section(
+        "Hand-off: ingress CPU per part, small and large",
+        "python -m benchmarks.bench_handoff --only cpu",
+        [note, line_table(measured)],
+    )
+
+
+def line_table(measured: dict[tuple[str, str], list[Run]]) -> str:
+    """Per path and process: MB per part of each size, CPU-ms per part of each size, and
+    the line through them (each repeat's two cells): at 0 MB, and per MB."""
+    rows = []
+    for path in LINE_PATHS:
+        small, large = measured[(path, "small")], measured[(path, "large")]
+        mb = [[r.mb_per_s / r.per_s for r in runs] for runs in (small, large)]
+        for label in (cpu.INGRESS, None):
+            ms = [[r.cpu_ms(label) for r in runs] for runs in (small, large)]
+            fits = [
+                line_through([mb_s, mb_l], [ms_s, ms_l])
+                for mb_s, mb_l, ms_s, ms_l in zip(*mb, *ms, strict=True)
+            ]
+            rows.append(
+                [
+                    path,
+                    label or "all of ours",
+                    *(spread(m).fmt(1) for m in mb),
+                    *(spread(m).fmt(1) for m in ms),
+                    spread([at_zero for at_zero, _ in fits]).fmt(1),
+                    f"**{spread([per_mb for _, per_mb in fits]).fmt(2)}**",
+                ]
+            )
+    header = ["path", "CPU of", "MB per part: small", "large", "CPU-ms per part: small"]
+    header += ["large", "fitted: CPU-ms per part", "+ CPU-ms per MB"]
+    return table(header, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return standalone(__doc__, lambda a: sections(a.quick), argv)
+    parser = arguments(__doc__)
+    parser.add_argument("--only", nargs="+", choices=PARTS_OF, default=list(PARTS_OF))
+    return standalone(__doc__, lambda a: sections(a.quick, tuple(a.only)), argv, parser)
 
 
 if __name__ == "__main__":

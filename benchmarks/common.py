@@ -82,7 +82,7 @@ def spread(values: Sequence[float]) -> Spread:
 
 def line_through(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
     """(value at x = 0, slope) of the line through the two points (x[0], y[0]), (x[1], y[1])."""
-    slope = (y[0] - y[1]) / (x[0] - x[1])
+    slope = (y[0] - y[1]) / (x[0] - x[1]) + 0.0  # a flat line's slope prints as 0.00, not -0.00
     return y[1] - slope * x[1], slope
 
 

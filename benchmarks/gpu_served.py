@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import shutil
 import statistics
 import subprocess
@@ -75,7 +74,7 @@ from benchmarks.served import (  # noqa: E402
     served_config,
     warm,
 )
-from benchmarks.serving import free_port  # noqa: E402
+from benchmarks.serving import free_port, tmpfs  # noqa: E402
 from kimi_encoder.config import get_preset  # noqa: E402
 from kimi_encoder.encoder import VisionEncoder  # noqa: E402
 
@@ -469,15 +468,6 @@ def main(argv: list[str] | None = None) -> int:
             subprocess.run([*stop, "stop", "--force"], capture_output=True, check=False)
     say(f"wrote {args.out / 'gpu_served.json'} and gpu_served.md; exit {report.exit_code()}")
     return report.exit_code()
-
-
-def tmpfs() -> str | None:
-    """/dev/shm where it is a writable folder with room for the encoder-cache files (they
-    land in memory, as on a consumer's tmpfs); else the default temporary folder."""
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 << 30:
-        return str(shm)
-    return None
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import http.client
 import json
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import threading
 import time
@@ -93,6 +94,15 @@ def bind(args):
     from deployments.app import bind_app
 
     return bind_app(args)
+
+
+def tmpfs() -> str | None:
+    """/dev/shm where it is a writable folder with room for the encoder-cache files (they
+    land in memory, as on a consumer's tmpfs); else the default temporary folder."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > 4 << 30:
+        return str(shm)
+    return None
 
 
 K3_WIDTH = 7168  # Kimi-K3's text_hidden_size: the features' width per token

@@ -611,3 +611,36 @@ def test_line_through_two_points():
     assert common.line_through([4.0, 1.0], [11.0, 5.0]) == pytest.approx((3.0, 2.0))
     per_image, per_request = common.line_through([1 / 2, 1 / 8], [10.0, 4.4])
     assert (round(per_request, 1), round(per_image, 1)) == (14.9, 2.5)
+
+
+def test_handoff_cpu_line_goes_through_each_repeats_small_and_large_part():
+    """sglang parts: 7.5 MB small, 30 MB large (MB/s over parts/s); the ingress spends
+    11 and 20 CPU-ms on them: 8 CPU-ms per part plus 0.40 per MB. vLLM requests spend
+    the same at both sizes: 0.00 per MB."""
+
+    def run(mb: float, ingress_ms: float, rank_ms: float) -> bench_handoff.Run:
+        usage = cpu.Usage(
+            wall_s=1.0,
+            by_role={
+                "replica handoff:EncodeServer": ingress_ms * 10 / 1e3,
+                "replica handoff:EncoderRank_0": rank_ms * 10 / 1e3,
+            },
+            machine_busy_s=1.0,
+            steal_s=0.0,
+        )
+        return bench_handoff.Run(mb_per_s=mb * 10, per_s=10.0, count=10, usage=usage)
+
+    sglang, vllm = bench_handoff.LINE_PATHS
+    measured = {
+        (sglang, "small"): [run(7.5, 11.0, 1.0)] * 2,
+        (sglang, "large"): [run(30.0, 20.0, 1.0)] * 2,
+        (vllm, "small"): [run(7.5, 12.5, 1.0)] * 2,
+        (vllm, "large"): [run(30.0, 12.5, 1.0)] * 2,
+    }
+    text = bench_handoff.line_table(measured)
+    cells = "7.5 (7.5–7.5) | 30.0 (30.0–30.0)"
+    assert f"| {sglang} | ingress | {cells} | 11.0 (11.0–11.0) | 20.0 (20.0–20.0) " in text
+    assert "| 8.0 (8.0–8.0) | **0.40 (0.40–0.40)** |" in text
+    assert f"| {sglang} | all of ours | {cells} | 12.0 (12.0–12.0) | 21.0 (21.0–21.0) " in text
+    assert f"| {vllm} | ingress | {cells} | 12.5 (12.5–12.5) | 12.5 (12.5–12.5) " in text
+    assert "| 12.5 (12.5–12.5) | **0.00 (0.00–0.00)** |" in text
