@@ -98,7 +98,9 @@ class Revision:
         port = free_port()
         config = yaml.safe_load((self.root / "configs" / "config.yaml").read_text())
         config["http_options"]["port"] = port
-        config["applications"][0]["args"]["checkpoint"] = checkpoint
+        args = config["applications"][0]["args"]
+        # Revisions since the arguments were grouped by component name it under model:.
+        (args["model"] if isinstance(args.get("model"), dict) else args)["checkpoint"] = checkpoint
         path = self.root / "configs" / "_revisions.yaml"
         path.write_text(yaml.safe_dump(config))
         log = (self.root / "serve.log").open("ab")
