@@ -48,7 +48,10 @@ INTRO = (
     'measure the CPU that other processes took ("outside"). `python -m benchmarks.compare '
     "a.md b.md` checks that two runs agree: on every ratio their min–max ranges overlap "
     "(its help says why the stricter check, each median inside the other's range, fails by "
-    "chance alone)."
+    "chance alone). Runs kept beside this page, in docs/benchmarks/: gpu-h200.md "
+    "(`benchmarks/gpu_check.py` and `benchmarks/gpu_served.py` on an H200), bytes-xeon.md "
+    "(the feature-bytes sections on another 2-core machine), handoff-cpu.md (the hand-off's "
+    "CPU per part through two part sizes), revisions-*.md (`python -m benchmarks.revisions`)."
 )
 
 
