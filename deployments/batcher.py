@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -99,6 +100,7 @@ class _Queued:
 @dataclass
 class BatchCounters:
     calls: int = 0  # encode calls this rank took
+    answered: int = 0  # ... of which it has answered (the progress its load report shows)
     items: int = 0  # images in them
     patches: int = 0  # sum of t*h*w over those images
     cache_hits: int = 0
@@ -179,6 +181,7 @@ class RankBatcher:
         self.model_dtype = dtype_name(encoder.dtype)
         self.cost_model, self.calibration = self._calibrate(calibration_grids)
         self.counters = BatchCounters()
+        self.instance = uuid.uuid4().hex
         self._outstanding = _Outstanding()
         self._queue: deque[_Queued] = deque()
         self._in_flight: dict[str, _Queued] = {}
@@ -250,6 +253,7 @@ class RankBatcher:
         except asyncio.CancelledError:
             self._abandon(mine)
             raise
+        self.counters.answered += 1
         return results, _call_stages([q for q in queued if q.timing is not None])
 
     def _key(self, item: EncoderItem, dtype: str) -> str | None:
@@ -282,10 +286,13 @@ class RankBatcher:
         return self._executor.submit(fn, *args).result()
 
     def load(self) -> dict:
-        """Cheap report: each caller's queued or running work, and this rank's cost model."""
+        """Cheap report: each caller's queued or running work, this rank's cost model, and
+        its progress: the calls this process has answered (``instance`` names the process,
+        so a replacement's count starting again is not taken for a stall)."""
         return {
             "by_caller": {c: w.as_list() for c, w in self._outstanding.by_caller.items()},
             "cost_model": self.cost_model.as_dict(),
+            "progress": {"instance": self.instance, "answered": self.counters.answered},
         }
 
     def info(self) -> dict:

@@ -78,8 +78,10 @@ class Dispatcher:
         self._poll: asyncio.Task | None = None
         self._poll_started = -math.inf
         self._holders: OrderedDict[str, int] = OrderedDict()
-        # Called with (rank, error) when a rank misses its report deadline.
+        # Called with (rank, error) when a rank misses its report deadline, and with
+        # (rank, report) for every report taken.
         self.on_silent: Callable[[int, BaseException], None] = lambda rank, error: None
+        self.on_report: Callable[[int, dict], None] = lambda rank, report: None
 
     @property
     def cost_model(self) -> CostModel:
@@ -145,6 +147,7 @@ class Dispatcher:
         """Take a rank's load report (from a poll or an encode answer)."""
         if report is None:
             return
+        self.on_report(rank, report)
         self._reports[rank] = {c: Work.from_list(w) for c, w in report["by_caller"].items()}
         self._models[rank] = CostModel(**report["cost_model"])
         self._reported_at[rank] = time.monotonic()

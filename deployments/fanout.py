@@ -27,6 +27,17 @@ while the late call goes on. Whichever answer comes first is used; the other
 call is cancelled. So a hung rank costs a request one bounded wait, not the
 request's timeout.
 
+Load is not failure. Both waits (for a replica to take the call, for its answer)
+count from the later of the call's start and the last time its rank showed
+progress: an encode answer, or a load report (``RankHealth.reported``) saying it
+answered more calls than before or holds no work. A rank that keeps answering is
+busy, not hung, however long its queue (or this ingress's own event loop) makes a
+call wait, so it is never marked down for it and nothing is sent twice. A call is
+never hedged to its own rank: with no other rank up, the late call keeps its
+images. A hung process (stopped, deadlocked) answers nothing and is routed around
+as before; a forward that hangs while cache hits still answer is the health
+check's to find (the replica is replaced, its calls fail and are re-dispatched).
+
 ``RankHealth`` is this ingress replica's view of which ranks take work, kept in
 the order things happened: a rank marked down (unavailable, slow, silent) gets
 no work until an answer to a call that *started after* the failure, or from
@@ -64,6 +75,8 @@ log = logging.getLogger("ray.serve")
 
 PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
 RECHECK_S = 0.1  # how often a request whose ranks are all down looks for one back
+
+Clock = Callable[[], float]
 
 
 class RankUnavailableError(Exception):
@@ -198,9 +211,12 @@ class _RankState:
 class RankHealth:
     """Which ranks take work, as this ingress replica has seen them answer (module doc)."""
 
-    def __init__(self, ranks: Sequence[RankClient], cooldown_s: float):
+    def __init__(
+        self, ranks: Sequence[RankClient], cooldown_s: float, clock: Clock = time.monotonic
+    ):
         self.ranks = ranks
         self.cooldown_s = cooldown_s
+        self.clock = clock  # time.monotonic(); tests pass one they move by hand
         self._state = [_RankState() for _ in ranks]
         self._probes: list[asyncio.Task | None] = [None] * len(ranks)
         self._lookups: list[asyncio.Task | None] = [None] * len(ranks)
@@ -209,6 +225,26 @@ class RankHealth:
         self.ignored = 0  # failures of replicas already replaced
         self.redispatched = 0  # images sent again to another rank
         self.hedged = 0  # of them, sent again while a late call went on
+        self._heard = [-math.inf] * len(ranks)  # last progress seen (clock time)
+        self._progress: list[tuple | None] = [None] * len(ranks)  # (instance, answered)
+
+    def heard(self, rank: int) -> None:
+        """``rank`` answered an encode call: it is making progress now."""
+        self._heard[rank] = self.clock()
+
+    def reported(self, rank: int, report: dict) -> None:
+        """A load report of ``rank``: progress if it has answered calls since its last
+        report (or is another process), or holds no work to make progress on."""
+        progress = report.get("progress") or {}
+        mark = (progress.get("instance"), progress.get("answered"))
+        if not report.get("by_caller") or mark != self._progress[rank]:
+            self._heard[rank] = self.clock()
+        self._progress[rank] = mark
+
+    def quiet_from(self, rank: int, since: float) -> float:
+        """When the wait of a call started at ``since`` on ``rank`` began to count: the
+        later of its start and the rank's last progress (clock time)."""
+        return max(since, self._heard[rank])
 
     def down(self) -> set[int]:
         return {r for r, state in enumerate(self._state) if state.down_until is not None}
@@ -237,9 +273,9 @@ class RankHealth:
             return
         self.failures[error.rank] += 1
         was_up = state.down_until is None
-        state.down_until = time.monotonic() + self.cooldown_s
+        state.down_until = self.clock() + self.cooldown_s
         if was_up or state.slow or not error.slow:  # being late says less than failing
-            state.down_at, state.reason, state.failed = time.monotonic(), str(error), error.replica
+            state.down_at, state.reason, state.failed = self.clock(), str(error), error.replica
             state.slow = error.slow
         if was_up:
             log.warning("%s; its images go to the other ranks until it answers", error)
@@ -274,29 +310,32 @@ class RankHealth:
             return
         state = self._state[rank]
         if state.down_until is not None and state.slow and state.replica == replica:
-            self.mark_down(RankUnavailableError(rank, f"its replica {replica} is gone", replica))
+            why = f"its replica {replica} is gone"
+            self.mark_down(RankUnavailableError(rank, why, replica, self.clock()))
 
     async def _recover(self, rank: int) -> None:
         state = self._state[rank]
         while (until := state.down_until) is not None:
-            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            await asyncio.sleep(max(0.0, until - self.clock()))
             if state.down_until is None:
                 return
-            started = time.monotonic()
+            started = self.clock()
             call = self.ranks[rank].load()
             try:
-                await asyncio.wait_for(call, PROBE_TIMEOUT_S)
+                report = await asyncio.wait_for(call, PROBE_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - still down: another cool-down
                 call.cancel()
                 if state.down_until is not None:
-                    state.down_until = time.monotonic() + self.cooldown_s
+                    state.down_until = self.clock() + self.cooldown_s
                 continue
+            if isinstance(report, dict):
+                self.reported(rank, report)
             self.mark_up(rank, getattr(call, "replica", None), started)
 
     def retry_after_s(self) -> int:
         """Whole seconds until the first rank is probed again (at least 1)."""
         pending = [s.down_until for s in self._state if s.down_until is not None]
-        soonest = min(pending, default=0.0) - time.monotonic()
+        soonest = min(pending, default=0.0) - self.clock()
         return max(1, math.ceil(soonest))
 
     def info(self) -> dict[str, Any]:
@@ -320,16 +359,16 @@ InFlight = Callable[[dict[int, list[EncoderItem]]], AbstractContextManager]
 @dataclass
 class _Flight:
     """One call in flight: its rank, which request items its answer covers (request
-    index -> row block of its answer), when it counts as late, what to release at its end."""
+    index -> row block of its answer), when it was sent, how long it may go without an
+    answer while its rank makes no progress, what to release at its end."""
 
     rank: int
     call: Call
     task: asyncio.Task
     plan: Plan
     covers: dict[int, int]
+    sent: float  # on the health's clock
     late_after_s: float
-    late_at: float  # time.monotonic()
-    route_late_at: float  # late if no replica has taken it by then
     late: bool = False
     stack: ExitStack = field(default_factory=ExitStack)
 
@@ -362,10 +401,11 @@ class FanOut:
         self.in_flight = in_flight or (lambda _: nullcontext())
         self.kept = kept
         dispatcher.on_silent = self._silent
+        dispatcher.on_report = health.reported
 
     async def run(self, items: Sequence[EncoderItem], feature_dtype: str) -> Gathered:
         """Features of every item, in order; raises the first non-retryable error."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = self.health.clock() + self.timeout_s
         n = len(items)
         gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
         self._fill_kept(items, gathered)
@@ -376,10 +416,7 @@ class FanOut:
             while any(f is None for f in gathered.features):
                 uncovered = self._uncovered(gathered, flights)
                 if uncovered and len(self.health.excluded()) < len(self.ranks):
-                    if flights or gathered.answers:  # sent before: this is a re-dispatch
-                        self.health.redispatched += len(uncovered)
-                        gathered.redispatched += len(uncovered)
-                    flights += self._send(uncovered, items, gathered)
+                    flights += self._dispatch(uncovered, items, gathered, again=bool(flights))
                 elif uncovered and not flights:
                     raise NoRankAvailableError(self.health.retry_after_s())
                 await self._next(flights, gathered, deadline)
@@ -404,23 +441,60 @@ class FanOut:
         for i, (array, rank) in self.kept.lookup(gathered.keys).items():
             gathered.features[i], gathered.owners[i] = array, rank
 
-    def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> list[int]:
-        """Request indices without features that no call is working on: no call on time,
-        or, while no rank is up to hedge to, no call at all."""
-        hedge = len(self.health.down()) < len(self.ranks)
-        covered = {i for f in flights if not (f.late and hedge) for i in f.covers}
-        return [i for i, got in enumerate(gathered.features) if got is None and i not in covered]
+    def _uncovered(self, gathered: Gathered, flights: list[_Flight]) -> dict[int | None, list[int]]:
+        """Request indices without features that no call is working on, by the rank a new
+        call must avoid: None for those with no call at all, the late call's rank for
+        those a late call holds while another rank is up to hedge to (never its own)."""
+        up = set(range(len(self.ranks))) - self.health.down()
+        holder: dict[int, int | None] = {}
+        for flight in flights:
+            hedge = flight.late and bool(up - {flight.rank})
+            for i in flight.covers:
+                if not hedge:
+                    holder[i] = -1  # a call on time, or late with nowhere else to go
+                else:
+                    holder.setdefault(i, flight.rank)
+        out: dict[int | None, list[int]] = {}
+        for i, got in enumerate(gathered.features):
+            if got is None and holder.get(i) != -1:
+                out.setdefault(holder.get(i), []).append(i)
+        return out
+
+    def _dispatch(
+        self,
+        uncovered: dict[int | None, list[int]],
+        items: Sequence[EncoderItem],
+        gathered: Gathered,
+        again: bool,
+    ) -> list[_Flight]:
+        """Calls for every uncovered item (``_uncovered``), counting re-dispatches (``again``
+        or after an answer: sent before) and, of them, hedges."""
+        flights = []
+        for avoid, pending in uncovered.items():
+            if again or gathered.answers:
+                self.health.redispatched += len(pending)
+                gathered.redispatched += len(pending)
+                if avoid is not None:  # hedged: its late call goes on
+                    self.health.hedged += len(pending)
+            flights += self._send(pending, items, gathered, avoid)
+        return flights
 
     def _send(
-        self, pending: list[int], items: Sequence[EncoderItem], gathered: Gathered
+        self,
+        pending: list[int],
+        items: Sequence[EncoderItem],
+        gathered: Gathered,
+        avoid: int | None = None,
     ) -> list[_Flight]:
-        """One call per owner rank for ``pending`` (duplicates once), to ranks not down."""
+        """One call per owner rank for ``pending`` (duplicates once), to ranks not down and
+        not ``avoid`` (the rank of the late call they are hedged from)."""
         subset = [items[i] for i in pending]
         dtype = gathered.dtype
         keys = [gathered.keys[i] for i in pending] if gathered.keys is not None else None
-        plan = self.dispatcher.plan(subset, dtype, exclude=self.health.excluded(), keys=keys)
+        exclude = self.health.excluded() | ({avoid} if avoid is not None else set())
+        plan = self.dispatcher.plan(subset, dtype, exclude=exclude, keys=keys)
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
-        now = time.monotonic()
+        now = self.health.clock()
         flights = []
         for rank, idx in plan.groups.items():
             group = [subset[j] for j in idx]
@@ -440,26 +514,27 @@ class FanOut:
                 dtype,
                 held=[j in plan.held for j in idx],
             )
-            flight = _Flight(
-                rank,
-                call,
-                _arrival(call),
-                plan,
-                covers,
-                late_after,
-                now + late_after,
-                now + self.route_late_s,
-            )
+            flight = _Flight(rank, call, _arrival(call), plan, covers, now, late_after)
             flight.stack.enter_context(self.in_flight({rank: group}))
             flight.stack.enter_context(self.dispatcher.dispatched(plan, rank))
             flights.append(flight)
         return flights
 
+    def _late_at(self, flight: _Flight) -> float:
+        """When ``flight`` counts as late, as its rank's progress stands: while no replica
+        has taken it, ``route_late_s`` after it was sent unless its rank showed progress
+        within ``slow_after_s`` (then it waits in a busy rank's or a busy ingress's queue,
+        not for a replacement); once taken, ``late_after_s`` past the later of its start
+        and its rank's last progress."""
+        heard = self.health.quiet_from(flight.rank, -math.inf)
+        if not _routed(flight):
+            return max(flight.sent + self.route_late_s, heard + self.slow_after_s)
+        return max(flight.sent, heard) + flight.late_after_s
+
     async def _next(self, flights: list[_Flight], gathered: Gathered, deadline: float) -> None:
         """Wait for the first call to end or to become late, then act on it."""
-        now = time.monotonic()
-        timers = [f.late_at for f in flights if not f.late] + [deadline]
-        timers += [f.route_late_at for f in flights if not f.late and not _routed(f)]
+        now = self.health.clock()
+        timers = [self._late_at(f) for f in flights if not f.late] + [deadline]
         # Every rank excluded, or a late call still unrouted (its rank may fail meanwhile,
         # see ``doomed``): look again soon.
         if self._uncovered(gathered, flights) or any(f.late and not _routed(f) for f in flights):
@@ -483,14 +558,12 @@ class FanOut:
             flights.remove(flight)
             flight.call.cancel()
             flight.stack.close()
-        now = time.monotonic()
+        now = self.health.clock()
         for flight in flights:
             if flight.late:
                 continue
-            if now >= flight.late_at:
-                self._late(flight, gathered)
-            elif now >= flight.route_late_at and not _routed(flight):
-                self._late(flight, gathered, unrouted=True)
+            if now >= self._late_at(flight):
+                self._late(flight, now)
         if now >= deadline and any(f is None for f in gathered.features):
             raise RequestTimeoutError(self.timeout_s)
 
@@ -507,8 +580,8 @@ class FanOut:
         assert result["rank"] == rank, (result["rank"], rank)
         assert len(result["features"]) == len(flight.plan.groups[rank]), (rank, flight.plan)
         assert result["dtype"] == gathered.dtype, (result["dtype"], gathered.dtype)
-        started = flight.late_at - flight.late_after_s  # when it was sent
-        self.health.mark_up(rank, getattr(flight.call, "replica", None), started)
+        self.health.heard(rank)
+        self.health.mark_up(rank, getattr(flight.call, "replica", None), flight.sent)
         self.dispatcher.observe(rank, result.get("load"))
         self.dispatcher.record(flight.plan, only={rank})
         gathered.answers[rank] = RankAnswer(rank, result, arrived_at)
@@ -520,35 +593,39 @@ class FanOut:
             if refs and refs[block] is not None and gathered.keys is not None:
                 self.kept.keep(gathered.keys[index], result["features"][block], rank)
 
-    def _late(self, flight: _Flight, gathered: Gathered, unrouted: bool = False) -> None:
-        """No answer by the time its load predicts, or no replica took it in time: the
-        rank is slow, the images go again."""
+    def _late(self, flight: _Flight, now: float) -> None:
+        """No replica took it in time, or no answer by the time its load predicts, and no
+        progress from its rank meanwhile: the rank is slow, the images go again (to
+        another rank, if one is up)."""
         flight.late = True
-        if unrouted:
-            why = f"no replica took the call within {self.route_late_s:g} s"
+        if not _routed(flight):
+            why = f"no replica took the call in {now - flight.sent:.2f} s"
         else:
             why = f"no answer within {flight.late_after_s:.2f} s, past what its load predicts"
         self.health.mark_down(
             RankUnavailableError(
                 flight.rank,
-                why,
+                f"{why}, and no progress from the rank meanwhile",
                 replica=getattr(flight.call, "replica", None),
-                started=flight.late_at - flight.late_after_s,
+                started=flight.sent,
                 slow=True,
             )
         )
-        self.health.hedged += sum(gathered.features[i] is None for i in flight.covers)
 
     def _silent(self, rank: int, error: BaseException) -> None:
         """A rank missed its load report: no new work until it answers. Unavailable if the
-        poll failed (the replica died), slow if it was not routed in time or stayed quiet."""
+        poll failed (the replica died); slow if it was not routed in time or stayed quiet
+        and the rank has shown no progress for ``slow_after_s`` either (a busy rank's, or
+        a busy ingress's, poll may wait in a queue)."""
         if rank in self.health.down():
             return
-        if isinstance(error, RankUnavailableError):
+        if isinstance(error, RankUnavailableError) and not error.slow:
             self.health.mark_down(error)
-        else:
+        elif self.health.quiet_from(rank, -math.inf) + self.slow_after_s <= self.health.clock():
             self.health.mark_down(
-                RankUnavailableError(rank, f"no load report ({error!r})", slow=True)
+                RankUnavailableError(
+                    rank, f"no load report ({error!r})", started=self.health.clock(), slow=True
+                )
             )
 
 
