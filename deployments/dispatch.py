@@ -32,6 +32,8 @@ from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderItem
 from kimi_encoder.load import Work, rank_loads
 
+from .args import DispatchArgs
+
 REPORT_ANSWER_S = 0.2  # a routed load poll answers within this, or its rank is silent
 REPORT_OUTDATED_S = 1.0  # older than this a report is no view at all: a request waits for one
 HOLDERS_CAPACITY = 1 << 16  # image keys remembered for cache affinity
@@ -50,26 +52,27 @@ class Plan:
 
 
 class Dispatcher:
+    """Owner assignment of one ingress replica, by its ``dispatch`` section of the args."""
+
     def __init__(
         self,
         num_ranks: int,
+        config: DispatchArgs,
         *,
         model_name: str,
         dtype: str,
-        cost_model: str,
-        report_interval_ms: float,
-        affinity_tolerance: float,
         cache_enabled: bool,
-        route_timeout_s: float = 0.3,
     ):
+        """``model_name`` and ``dtype`` (the model's, as the ranks run it) key the images as
+        the ranks' caches do; ``cache_enabled``: whether the ranks cache (affinity)."""
         self.num_ranks = num_ranks
         self.caller = f"ingress-{uuid.uuid4().hex}"
         self.model_name, self.dtype = model_name, dtype
-        self.use_fitted = cost_model == "fitted"
-        self.report_interval_s = report_interval_ms / 1e3
+        self.use_fitted = config.cost_model == "fitted"
+        self.report_interval_s = config.load_report_interval_ms / 1e3
         # A poll may wait for routing as long as an encode call may, then must answer.
-        self.report_timeout_s = route_timeout_s + REPORT_ANSWER_S
-        self.tolerance = affinity_tolerance
+        self.report_timeout_s = config.route_timeout_s + REPORT_ANSWER_S
+        self.tolerance = config.affinity_tolerance
         self.cache_enabled = cache_enabled
         self._own = [Work()] * num_ranks
         self._reports: list[dict[str, Work] | None] = [None] * num_ranks

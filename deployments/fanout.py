@@ -6,11 +6,11 @@ deployment handle; tests use plain objects). Its calls are awaitables with
 ``cancel()``; a call that fails with ``RankUnavailableError`` (the rank died, is
 being replaced, its queue is full, no replica took the call in time) is not the
 request's doing, so its images go to the ranks still up, within the same
-request, until every image has features or ``request_timeout_s`` is spent. Any
+request, until every image has features or ``ingress.request_timeout_s`` is spent. Any
 other error (an undecodable image, an encoder failure) is the answer: it would
 fail again anywhere.
 
-A call that no replica of its rank has taken after ``rank_route_timeout_s`` (a
+A call that no replica of its rank has taken after ``dispatch.route_timeout_s`` (a
 ``routed`` attribute of the call; calls without one count as routed) is late
 too: the rank may be dead and waiting for its replacement, or the machine may be
 too starved of CPU to route in time. Its images go to the other ranks while it
@@ -20,8 +20,8 @@ looked up (``RankClient.replica_alive``): a replica that no longer exists makes
 the rank *failed*, so its unrouted calls are dropped and, with every rank gone,
 requests get 503 at once instead of waiting for the replacements.
 
-A call that is late (no answer by ``rank_slow_factor`` x the time the fitted cost
-model expects, and at least ``rank_slow_after_s``) makes its rank *slow*: the
+A call that is late (no answer by ``dispatch.slow_factor`` x the time the fitted cost
+model expects, and at least ``dispatch.slow_after_s``) makes its rank *slow*: the
 rank gets no new work, and the call's images are sent again to the other ranks
 while the late call goes on. Whichever answer comes first is used; the other
 call is cancelled. So a hung rank costs a request one bounded wait, not the
@@ -44,10 +44,10 @@ no work until an answer to a call that *started after* the failure, or from
 another replica of the rank (its replacement), brings it back; a failure of a
 replica the rank has since replaced does not mark the replacement down. While
 down, a background probe (the rank's cheap ``load`` call) asks again every
-``cooldown_s``. With no rank up the request is answered at once with
+``dispatch.cooldown_s``. With no rank up the request is answered at once with
 ``NoRankAvailableError`` (503 with ``Retry-After``), never a hang.
 
-With ``kept`` (``KeptFeatures``: the ingress cache, ``ingress_cache_bytes``), images
+With ``kept`` (``KeptFeatures``: the ingress cache, ``ingress.cache_bytes``), images
 whose features this replica holds are filled in first, without a rank call, and
 every answer's arrays that lie in the object store are held; only the rest are
 assigned and sent.
@@ -115,7 +115,7 @@ class NoRankAvailableError(RuntimeError):
 
 
 class RequestTimeoutError(TimeoutError):
-    """The ranks did not answer within ``request_timeout_s`` (HTTP 504)."""
+    """The ranks did not answer within ``ingress.request_timeout_s`` (HTTP 504)."""
 
     def __init__(self, timeout_s: float):
         super().__init__(

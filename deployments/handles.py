@@ -7,7 +7,7 @@ router holds new calls until a replacement has started (seconds on a CPU,
 minutes with a real checkpoint); a starved machine routes slowly too, and the
 two look the same from here. So an encode call keeps routing (``routed`` says
 whether a replica took it) and the fan-out hedges its images to the other ranks
-once it has waited ``rank_route_timeout_s``; a load poll gives up after that
+once it has waited ``dispatch.route_timeout_s``; a load poll gives up after that
 long and says the rank is *slow* (any answer brings it back), never *failed*.
 Whether a slow rank's last replica still exists is asked of Ray's registry of
 named actors (``replica_alive``): a dead rank is then told from a starved one.
@@ -207,14 +207,13 @@ class _Kept:
 
 class IngressCache:
     """The ranks' cached features as this ingress replica has seen them answered: an LRU,
-    bounded in feature bytes (``ingress_cache_bytes``), of the read-only arrays those
+    bounded in feature bytes (``ingress.cache_bytes``), of the read-only arrays those
     answers were read into, each a view of its object in the store
     (``fanout.KeptFeatures``). A repeated image is answered from the array held here,
-    without a rank call and without reading its ref again. Measured with bench_bytes'
-    hits (4 images of 256 x 7168 per request, dp 2, 2-core EPYC): the two rank calls
-    cost the ingress alone about as much CPU as the rest of the request, and awaiting
-    the four refs again cost its process 0.9 CPU-ms per request; a held array costs
-    nothing to hand out.
+    without a rank call and without reading its ref again: the rank calls of a
+    request of hits cost the ingress about as much CPU as the rest of the request,
+    and awaiting the refs again costs CPU too, where a held array costs nothing to
+    hand out (docs/api.md, "Measurements behind the code").
 
     A held array keeps its object in the store, mapped in this process, after the
     rank's own cache has dropped it and after the rank has died: features never
@@ -259,9 +258,9 @@ class RankHandle:
         held: list[bool] | tuple = (),
     ) -> RankCall:
         """Images the rank's cache is expected to hold (``held``) go by digest, without
-        their file bytes (each 0.3 MB JPEG as an argument costs Ray's object store about
-        4 CPU-ms per call on a 2-core EPYC); any the rank no longer holds are sent again
-        with their bytes in a second call, within the same ``RankCall``."""
+        their file bytes, which as call arguments cost Ray's object store CPU on every
+        call (docs/api.md, "Measurements behind the code"); any the rank no longer holds
+        are sent again with their bytes in a second call, within the same ``RankCall``."""
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
         held = held or [False] * len(items)
         held = [bool(h) and i.can_go_by_digest for h, i in zip(held, items, strict=True)]

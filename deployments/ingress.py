@@ -82,13 +82,10 @@ class EncodeServer:
         self.ranks = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
         self.dispatcher = Dispatcher(
             len(ranks),
+            dispatch,
             model_name=self.model_name,
             dtype=model.dtype,
-            cost_model=dispatch.cost_model,
-            report_interval_ms=dispatch.load_report_interval_ms,
-            affinity_tolerance=dispatch.affinity_tolerance,
             cache_enabled=rank_cache,
-            route_timeout_s=timeout,
         )
         self.health = RankHealth(self.ranks, dispatch.cooldown_s)
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None

@@ -9,7 +9,7 @@ import pytest
 import torch
 from images import gray_png
 
-from deployments.args import BatchingArgs
+from deployments.args import BatchingArgs, DispatchArgs
 from deployments.batcher import RankBatcher
 from deployments.dispatch import Dispatcher
 from kimi_encoder.cache import FeatureCache, item_key
@@ -83,11 +83,9 @@ def test_the_ingress_and_the_rank_key_an_image_alike(encoder, feature_dtype):
     asyncio.run(rank.encode([encoder.plan(image) for image in images], "c", feature_dtype))
     ingress = Dispatcher(
         1,
+        DispatchArgs(),
         model_name=resolve_configs("tiny")[2],
         dtype="float32",
-        cost_model="patches",
-        report_interval_ms=50,
-        affinity_tolerance=0.25,
         cache_enabled=True,
     )
     keys = ingress.keys([plan_image(image, TINY, "cpu") for image in images], feature_dtype)

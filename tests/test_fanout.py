@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from images import image_bytes
 
+from deployments.args import DispatchArgs
 from deployments.dispatch import Dispatcher
 from deployments.fanout import (
     FanOut,
@@ -100,14 +101,9 @@ def fan_out(
     cache: bool = False,
     clock=time.monotonic,
 ):
+    dispatch = DispatchArgs(cost_model="patches", load_report_interval_ms=0)
     dispatcher = Dispatcher(
-        len(ranks),
-        model_name="tiny",
-        dtype="float32",
-        cost_model="patches",
-        report_interval_ms=0,
-        affinity_tolerance=0.25,
-        cache_enabled=cache,
+        len(ranks), dispatch, model_name="tiny", dtype="float32", cache_enabled=cache
     )
     health = RankHealth(ranks, cooldown_s, clock)
     fanout = FanOut(
