@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kimi_encoder.engines.media import FetchPolicy
+from kimi_encoder.engines.transport import DEFAULT_RECEIVE_NETWORKS, ReceivePolicy, parse_networks
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
 
@@ -442,6 +443,26 @@ class HandoffArgs(BaseModel):
         description="Registered receive addresses whose /encode never came are forgotten "
         "after this many seconds.",
     )
+    # sglang sends no API key: whoever reaches /encode names where the ingress connects.
+    receive_networks: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_RECEIVE_NETWORKS),
+        description="Networks (CIDR) that sglang's receive addresses must resolve into: an "
+        "/encode part's prefill_host:embedding_port, each /scheduler_receive_url address. "
+        "Any other address is refused (400) and nothing connects to it, not even for an "
+        "error frame. Default: loopback and the private ranges. Link-local "
+        "(169.254.0.0/16, fe80::/10) is left out, as cloud metadata services live there "
+        "and a prefill listens on a routable address; list it, or a public network, to "
+        "push there.",
+    )
+
+    @field_validator("receive_networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        parse_networks(value)
+        return value
+
+    def receive_policy(self) -> ReceivePolicy:
+        return ReceivePolicy.from_cidrs(self.receive_networks, setting="handoff.receive_networks")
 
     @field_validator("ec_root")
     @classmethod

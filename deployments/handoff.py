@@ -37,6 +37,7 @@ Ray-free, like fanout.py: the registry is a ``RegistryClient``
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -55,13 +56,14 @@ from kimi_encoder.engines.sglang import (
     EncodeRequest,
     ReceiverRegistry,
     ReceiveUrlRequest,
-    deliver,
     error_frames,
     error_target,
     load_images,
+    push_frames,
+    receive_endpoints,
     stored_embedding_frames,
 )
-from kimi_encoder.engines.transport import Frame, ZmqPusher
+from kimi_encoder.engines.transport import Frame, ReceiveAddressRefused, ReceivePolicy, ZmqPusher
 from kimi_encoder.engines.vllm import VLLM_VERSION, EcCacheEntry, write_ec_cache
 from kimi_encoder.features import from_numpy
 from kimi_encoder.items import EncoderInputError, EncoderItem
@@ -136,6 +138,7 @@ class Handoff:
         self.registry = registry
         self.api_key = api_key
         self.policy = config.image_urls.policy()
+        self.receive_policy = config.receive_policy()
         self.ec_root = check_ec_root(config.ec_root)
         self._pusher: ZmqPusher | None = None
 
@@ -184,20 +187,25 @@ class Handoff:
             raise await self._failed(error_target(body), exc, deadline) from exc
         receivers = self._receivers(req, work_until)
         try:
+            if req.receive_address is not None:  # checked before anything is encoded
+                await _within(receivers.endpoints(), work_until, timeout_s)
             frames = await _within(self._frames(req, trace), work_until, timeout_s)
-            sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
-            await _within(sending, work_until, timeout_s)
+            await _within(self._push(req, frames, receivers), work_until, timeout_s)
+        except ReceiveAddressRefused as exc:  # nothing, not even an error frame, goes there
+            raise errors.PartFailedError(req.req_id, exc) from exc
         except Exception as exc:  # answered as the part's failure
             raise await self._failed(req, exc, deadline, receivers) from exc
         finally:
             receivers.close()
 
     async def register(self, request: Request) -> None:
-        """``POST /scheduler_receive_url``: one scheduler rank's address for one part."""
+        """``POST /scheduler_receive_url``: one scheduler rank's address for one part,
+        registered as the IP it resolved to once it is checked (refused: 400)."""
         self.api_key.check(request)
         body = await read_body(request.stream(), REGISTRATION_BYTES)
         req = ReceiveUrlRequest.from_json(_json(body, "/scheduler_receive_url"))
-        await self.registry.register(req)
+        checked = await self.receive_policy.check_async(req.receive_url)
+        await self.registry.register(dataclasses.replace(req, receive_url=checked.host_port))
 
     async def check_health(self) -> None:
         """``GET /health``: returns while a rank answers its load report within
@@ -270,9 +278,16 @@ class Handoff:
 
     def _receivers(self, req: EncodeRequest, until: float) -> _PartReceivers:
         if req.receive_address is not None:  # zmq_to_tokenizer: the part names its address
-            return _PartReceivers(None)
+            return _PartReceivers(req, self.receive_policy, None)
         wait_s = min(self.config.wait_s, until - time.monotonic())
-        return _PartReceivers(self.registry.wait_for(req.req_id, max(wait_s, 0.0)))
+        call = self.registry.wait_for(req.req_id, max(wait_s, 0.0))
+        return _PartReceivers(req, self.receive_policy, call)
+
+    async def _push(
+        self, req: EncodeRequest, frames: Sequence[Frame], receivers: _PartReceivers
+    ) -> None:
+        endpoints = await receivers.endpoints()
+        await push_frames(frames, endpoints, self.pusher, reuse=req.receive_address is None)
 
     async def _failed(
         self,
@@ -281,8 +296,8 @@ class Handoff:
         deadline: float,
         receivers: _PartReceivers | None = None,
     ) -> errors.PartFailedError:
-        """Push ``exc`` as ``req``'s error frame (best effort, until ``deadline``); the
-        exception that answers the request."""
+        """Push ``exc`` as ``req``'s error frame (best effort, until ``deadline``, and only
+        to checked addresses); the exception that answers the request."""
         if req is None:
             return errors.PartFailedError(None, exc)
         status, _ = errors.classify(exc)
@@ -290,8 +305,7 @@ class Handoff:
         own = receivers is None
         receivers = self._receivers(req, deadline) if own else receivers
         try:
-            sending = deliver(req, frames, self.pusher, receivers, wait_s=0.0)
-            await _within(sending, deadline, self.fanout.timeout_s)
+            await _within(self._push(req, frames, receivers), deadline, self.fanout.timeout_s)
         except Exception as push_error:  # noqa: BLE001 - the HTTP answer still reports it
             log.warning(
                 "part %s failed (%s) and its error frame was not delivered: %s",
@@ -321,22 +335,31 @@ def part_frames(
 
 
 class _PartReceivers:
-    """A zmq_to_scheduler part's receive addresses (``deliver``'s registry): the
-    registry wait sent when the part arrived. None for zmq_to_tokenizer parts."""
+    """Where one part's frames may go, looked up once as the part arrives: its own
+    address resolved and checked (zmq_to_tokenizer), or the addresses its scheduler
+    ranks registered, checked then (zmq_to_scheduler: ``call`` is the registry wait)."""
 
-    def __init__(self, call: Call | None):
+    def __init__(self, req: EncodeRequest, policy: ReceivePolicy, call: Call | None):
         self.call = call
-        self.task = None if call is None else asyncio.ensure_future(_await(call))
+        self.wait = None if call is None else asyncio.ensure_future(_await(call))
+        self.task = asyncio.ensure_future(receive_endpoints(req, policy, self, wait_s=0.0))
 
-    async def wait_for(self, req_id: str, timeout_s: float) -> list[str]:
-        # The registry applies the wait's timeout; shielded so that a send that gives
-        # up does not cancel the wait an error frame may still need.
-        assert self.task is not None, f"{req_id}: a zmq_to_tokenizer part has no registry wait"
+    async def endpoints(self) -> list[str]:
+        """The part's checked ``tcp://ip:port`` endpoints. Shielded, so that a send that
+        gives up does not cancel the lookup an error frame may still need."""
         return await asyncio.shield(self.task)
 
+    async def wait_for(self, req_id: str, timeout_s: float) -> list[str]:
+        # ``receive_endpoints``'s registry; the registry applies the wait's timeout.
+        assert self.wait is not None, f"{req_id}: a zmq_to_tokenizer part has no registry wait"
+        return await self.wait
+
     def close(self) -> None:
-        if self.task is not None and not self.task.done():
-            self.task.cancel()
+        if self.task.done() and not self.task.cancelled():
+            self.task.exception()  # retrieved: a failed lookup nobody awaited is not logged
+        self.task.cancel()
+        if self.wait is not None and not self.wait.done():
+            self.wait.cancel()
             self.call.cancel()
 
 

@@ -35,7 +35,7 @@ import torch
 from ..features import FEATURE_DTYPES, STORAGE, check_dtype, dtype_name, to_numpy, torch_dtype
 from ..items import EncoderInputError, check_modality
 from .media import FetchPolicy, read_image_ref
-from .transport import Frame, PushError, ZmqPusher, tcp_endpoint
+from .transport import Frame, PushError, ReceivePolicy, ZmqPusher, split_address
 
 SGLANG_VERSION = "0.5.23"
 
@@ -177,10 +177,13 @@ class EncodeRequest:
 
     @property
     def receive_address(self) -> str | None:
-        """``host:port`` to push to in zmq_to_tokenizer mode, else None."""
+        """``host:port`` (``[v6]:port``) to push to in zmq_to_tokenizer mode, else None."""
         if self.embedding_port is None:
             return None
-        return f"{self.prefill_host}:{self.embedding_port}"
+        host = self.prefill_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.embedding_port}"
 
 
 @dataclass(frozen=True)
@@ -199,7 +202,7 @@ class ReceiveUrlRequest:
         check_modality(str(fields["modality"]).lower())
         url = _str(fields, "receive_url", where)
         try:
-            tcp_endpoint(url)
+            split_address(url)
         except ValueError as exc:
             raise EncoderInputError(f"{where} {exc}") from None
         return cls(
@@ -421,6 +424,41 @@ class Receivers(Protocol):
     async def wait_for(self, req_id: str, timeout_s: float) -> list[str]: ...
 
 
+async def receive_endpoints(
+    req: EncodeRequest, policy: ReceivePolicy, registry: Receivers, *, wait_s: float
+) -> list[str]:
+    """The ``tcp://ip:port`` endpoints one part's frames go to, each checked by ``policy``.
+
+    zmq_to_tokenizer: the request's own ``prefill_host:embedding_port``, resolved once.
+    zmq_to_scheduler: every address the scheduler ranks registered for the part, waiting
+    up to ``wait_s`` for them (a service registers each as the IP it checked, so that
+    check is repeated here without a lookup). Raises ``ReceiveAddressRefused`` before
+    anything connects to an address outside the policy's networks.
+    """
+    if req.receive_address is not None:
+        return [(await policy.check_async(req.receive_address)).endpoint]
+    addresses = await registry.wait_for(req.req_id, wait_s)
+    return [(await policy.check_async(address)).endpoint for address in addresses]
+
+
+async def push_frames(
+    frames: Sequence[Frame], endpoints: Sequence[str], pusher: ZmqPusher, *, reuse: bool
+) -> None:
+    """Push one part's frames to each of ``endpoints`` (from ``receive_endpoints``).
+
+    ``reuse=False`` for a zmq_to_tokenizer port, opened for one request alone.
+    """
+    if len(endpoints) == 1:
+        await pusher.send(endpoints[0], frames, reuse=reuse)
+        return
+    results = await asyncio.gather(
+        *(pusher.send(e, frames, reuse=reuse) for e in endpoints), return_exceptions=True
+    )
+    failures = [r for r in results if isinstance(r, BaseException)]
+    if failures:
+        raise PushError(f"{len(failures)} of {len(endpoints)} sends failed: {failures[0]}")
+
+
 async def deliver(
     req: EncodeRequest,
     frames: Sequence[Frame],
@@ -428,24 +466,15 @@ async def deliver(
     registry: Receivers,
     *,
     wait_s: float,
+    policy: ReceivePolicy | None = None,
 ) -> list[str]:
     """Push one part's frames where its prefill listens; returns the endpoints.
 
-    zmq_to_tokenizer: the request's own ``prefill_host:embedding_port``, a port
-    opened for this request alone. zmq_to_scheduler: every address the
-    scheduler ranks registered for the part, waiting up to ``wait_s`` for them.
+    ``receive_endpoints`` under ``policy`` (default: loopback and the private
+    networks), then ``push_frames``.
     """
-    if req.receive_address is not None:
-        endpoint = tcp_endpoint(req.receive_address)
-        await pusher.send(endpoint, frames, reuse=False)
-        return [endpoint]
-    endpoints = [tcp_endpoint(a) for a in await registry.wait_for(req.req_id, wait_s)]
-    results = await asyncio.gather(
-        *(pusher.send(e, frames) for e in endpoints), return_exceptions=True
-    )
-    failures = [r for r in results if isinstance(r, BaseException)]
-    if failures:
-        raise PushError(f"{len(failures)} of {len(endpoints)} sends failed: {failures[0]}")
+    endpoints = await receive_endpoints(req, policy or ReceivePolicy(), registry, wait_s=wait_s)
+    await push_frames(frames, endpoints, pusher, reuse=req.receive_address is None)
     return endpoints
 
 

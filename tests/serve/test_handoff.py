@@ -3,8 +3,10 @@
 sglang's ``/encode`` in both transfer modes (zmq_to_tokenizer: the part's own
 port; zmq_to_scheduler: every address registered with ``/scheduler_receive_url``,
 before or after the part), behind two ingress replicas; ``/health``; failures as
-an error frame plus a non-200 answer carrying sglang's ``message``; vLLM
-encoder-cache files written before ``/v1/encode`` answers. Every payload is
+an error frame plus a non-200 answer carrying sglang's ``message``; receive
+addresses outside ``handoff.receive_networks`` refused with nothing connecting to
+them (a loopback listener, loopback left out of the list); vLLM encoder-cache files
+written before ``/v1/encode`` answers. Every payload is
 compared with ``/v1/encode``'s features of the same images: float32 bit for bit,
 bfloat16 equal to the float32 features rounded. tests/interop runs sglang's and
 vLLM's own code against the same routes.
@@ -13,6 +15,7 @@ vLLM's own code against the same routes.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,7 +36,7 @@ from kimi_encoder.items import MSG_IMAGE_ONLY
 
 pytestmark = pytest.mark.serve
 
-APP, BF16_APP = "handoff", "handoff_bf16"
+APP, BF16_APP, CLOSED_APP = "handoff", "handoff_bf16", "handoff_closed"
 # Features compared bit for bit: no cache, owners by patch count (no calibration).
 REFERENCE_PATH = {
     "ranks": {"cache_bytes": 0, "calibration_grids": []},
@@ -73,6 +76,15 @@ def bf16_url(serve_url):
     serve.run(bind_app(args), name=BF16_APP, route_prefix=f"/{BF16_APP}")
     yield f"{serve_url}/{BF16_APP}"
     serve.delete(BF16_APP)
+
+
+@pytest.fixture(scope="module")
+def closed_url(serve_url):
+    """dp 1 whose receive networks leave loopback out: every receive address here is refused."""
+    args = app_args(REFERENCE_PATH, dp_size=1, handoff={"receive_networks": ["10.0.0.0/8"]})
+    serve.run(bind_app(args), name=CLOSED_APP, route_prefix=f"/{CLOSED_APP}")
+    yield f"{serve_url}/{CLOSED_APP}"
+    serve.delete(CLOSED_APP)
 
 
 @pytest.fixture
@@ -356,3 +368,81 @@ def test_vllm_ec_without_ec_root_says_how_to_configure_it(bf16_url):
     response = requests.post(f"{bf16_url}/v1/encode", json=body, timeout=120)
     assert response.status_code == 400
     assert "set the app's args handoff.ec_root to the vLLM consumer's" in response.text
+
+
+@pytest.fixture
+def listener():
+    """(a plain TCP socket listening on loopback, its 'host:port')."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        sock.setblocking(False)
+        yield sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def assert_nothing_connected(sock: socket.socket) -> None:
+    time.sleep(0.5)  # an error frame is pushed before the answer; give a connect time anyway
+    with pytest.raises(BlockingIOError):
+        sock.accept()
+
+
+def assert_refused(response: requests.Response, address: str) -> str:
+    """A 400 naming the address, what it resolved to, the networks and the setting."""
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request"
+    assert error["message"] == (
+        f"receive address {address!r} resolves to 127.0.0.1: 127.0.0.1 is outside the "
+        "networks this encoder pushes to (10.0.0.0/8); nothing was sent to it. To push "
+        "there, add its network to handoff.receive_networks."
+    )
+    return error["message"]
+
+
+def test_tokenizer_part_outside_the_networks_is_refused_before_encoding(closed_url, listener):
+    sock, address = listener
+    req_id = "closed-tok_local_part_0"
+    before = rank_calls(closed_url)
+    response = post(closed_url, "/encode", part(req_id, [data_url(IMAGES[0])], address))
+    message = assert_refused(response, address)
+    body = response.json()
+    assert (body["status"], body["req_id"], body["message"]) == ("error", req_id, message)
+    assert rank_calls(closed_url) == before  # nothing was encoded
+    assert_nothing_connected(sock)
+
+
+def test_refused_part_gets_no_error_frame_outside_the_networks(closed_url, listener):
+    """A part refused for its content still names a receive address: outside the
+    networks, its error frame is not sent there."""
+    sock, address = listener
+    req_id = "closed-video_local_part_0"
+    body = part(req_id, [data_url(IMAGES[0])], address, modality="VIDEO")
+    response = post(closed_url, "/encode", body)
+    assert response.status_code == 400, response.text
+    assert MSG_IMAGE_ONLY in response.json()["message"]
+    assert_nothing_connected(sock)
+
+
+def test_registration_outside_the_networks_is_refused(closed_url, listener):
+    sock, address = listener
+    body = {
+        "req_id": "closed-sched_local_part_0",
+        "receive_count": 1,
+        "receive_url": address,
+        "modality": "IMAGE",
+    }
+    assert_refused(post(closed_url, "/scheduler_receive_url", body), address)
+    assert parts_pending(closed_url) == 0  # the registry never saw it
+    assert_nothing_connected(sock)
+
+
+def test_a_rank_registered_by_name_gets_the_part_at_the_ip_it_resolved_to(url, pull):
+    if socket.getaddrinfo("localhost", None, type=socket.SOCK_STREAM)[0][4][0] != "127.0.0.1":
+        pytest.skip("localhost resolves to another address first here")
+    sock, address = pull()
+    req_id = "by-name_local_part_0"
+    register(url, req_id, f"localhost:{address.rpartition(':')[2]}", 1)
+    want, items = v1_encode(url, IMAGES[:1])
+    response = post(url, "/encode", part(req_id, [data_url(IMAGES[0])]))
+    assert response.status_code == 200, response.text
+    assert_part(*receive(sock), req_id, want, items)
