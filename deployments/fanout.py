@@ -70,6 +70,7 @@ from kimi_encoder.config import VisionConfig
 from kimi_encoder.items import EncoderItem
 
 from .dispatch import Dispatcher, Plan
+from .sinks import Destination
 
 log = logging.getLogger("ray.serve")
 
@@ -143,9 +144,12 @@ class RankClient(Protocol):
         caller: str,
         feature_dtype: str,
         held: Sequence[bool] = (),
+        sink: object = None,
     ) -> Call:
         """``held[k]``: the rank's cache is expected to hold ``items[k]``'s features, so
-        the item may go without its file bytes (the client sends them if it does not)."""
+        the item may go without its file bytes (the client sends them if it does not).
+        ``sink`` (``sinks.EcFiles``): the rank delivers the features there and answers
+        what it delivered (``sinks.Written``) in their place."""
         ...
 
     def load(self) -> Call: ...
@@ -195,6 +199,9 @@ class Gathered:
     answers: dict[int, RankAnswer] = field(default_factory=dict)
     redispatched: int = 0
     keys: list[str] | None = None  # every item's cache key, with kept features on
+    # Where the ranks delivered the features instead (then ``features`` hold what each
+    # delivered: ``sinks.Written``); None: they came back.
+    destination: Destination | None = None
 
 
 @dataclass
@@ -403,11 +410,18 @@ class FanOut:
         dispatcher.on_silent = self._silent
         dispatcher.on_report = health.reported
 
-    async def run(self, items: Sequence[EncoderItem], feature_dtype: str) -> Gathered:
-        """Features of every item, in order; raises the first non-retryable error."""
+    async def run(
+        self,
+        items: Sequence[EncoderItem],
+        feature_dtype: str,
+        destination: Destination | None = None,
+    ) -> Gathered:
+        """Features of every item, in order, or with a ``destination`` what each rank
+        delivered there; raises the first non-retryable error."""
         deadline = self.health.clock() + self.timeout_s
         n = len(items)
-        gathered = Gathered([None] * n, [-1] * n, feature_dtype)  # type: ignore[list-item]
+        missing: list = [None] * n  # filled by the ranks' answers
+        gathered = Gathered(missing, [-1] * n, feature_dtype, destination=destination)
         self._fill_kept(items, gathered)
         if any(f is None for f in gathered.features):
             await self.dispatcher.refresh(self.ranks, skip=self.health.down())
@@ -434,8 +448,9 @@ class FanOut:
         return gathered
 
     def _fill_kept(self, items: Sequence[EncoderItem], gathered: Gathered) -> None:
-        """Fill in the features this ingress replica kept (none without ``kept``)."""
-        if self.kept is None:
+        """Fill in the features this ingress replica kept (none without ``kept``, nor for
+        a destination: there the ranks deliver, the ingress holds no feature bytes)."""
+        if self.kept is None or gathered.destination is not None:
             return
         gathered.keys = self.dispatcher.keys(items, gathered.dtype)
         for i, (array, rank) in self.kept.lookup(gathered.keys).items():
@@ -506,6 +521,10 @@ class FanOut:
             }
             expected = self.dispatcher.expected_s(plan, rank, [i.num_patches for i in group])
             late_after = max(self.slow_after_s, self.slow_factor * (expected or 0.0))
+            sink = None
+            if gathered.destination is not None:  # each image, and the items it stands for
+                copies = [[i for i, k in covers.items() if k == b] for b in range(len(idx))]
+                sink = gathered.destination.for_call(copies)
             call = self.ranks[rank].encode(
                 [pending[j] for j in idx],
                 group,
@@ -513,6 +532,7 @@ class FanOut:
                 self.dispatcher.caller,
                 dtype,
                 held=[j in plan.held for j in idx],
+                sink=sink,
             )
             flight = _Flight(rank, call, _arrival(call), plan, covers, now, late_after)
             flight.stack.enter_context(self.in_flight({rank: group}))

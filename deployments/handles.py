@@ -54,6 +54,7 @@ from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
 from .fanout import RankUnavailableError
+from .sinks import EcFiles
 
 log = logging.getLogger("ray.serve")
 
@@ -256,12 +257,15 @@ class RankHandle:
         caller: str,
         feature_dtype: str,
         held: list[bool] | tuple = (),
+        sink: EcFiles | None = None,
     ) -> RankCall:
         """Images the rank's cache is expected to hold (``held``) go by digest, without
         their file bytes, which as call arguments cost Ray's object store CPU on every
         call (docs/api.md, "Measurements behind the code"); any the rank no longer holds
         are sent again with their bytes in a second call, within the same ``RankCall``."""
         kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
+        if sink is not None:
+            kwargs["sink"] = sink
         held = held or [False] * len(items)
         held = [bool(h) and i.can_go_by_digest for h, i in zip(held, items, strict=True)]
         if not any(held):
@@ -270,7 +274,8 @@ class RankHandle:
 
         def refill(missing: list[int]) -> tuple[tuple, dict]:
             again = ([indices[k] for k in missing], [items[k] for k in missing])
-            return again, {**kwargs, "sent_at": time.time()}
+            resent = {"sink": sink.only(missing)} if sink is not None else {}
+            return again, {**kwargs, **resent, "sent_at": time.time()}
 
         return self._call("encode", None, indices, sent, refill=refill, **kwargs)
 

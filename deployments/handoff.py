@@ -21,14 +21,15 @@ status and sglang's ``{"status": "error", "message", "req_id"}`` body.
 
 vLLM 0.33.0 (``kimi_encoder.engines.vllm``): a ``/v1/encode`` request with
 output kind ``vllm_ec`` has each item's features written as an encoder-cache
-file under ``handoff.ec_root`` (atomically) before it is answered with their metadata.
+file under ``handoff.ec_root`` (atomically) before it is answered with their
+metadata. The rank that encodes an image writes its files (``sinks.EcFiles``),
+from the buffer its features were copied to from the device, or for a cache hit
+from the object store in place: no feature byte reaches the ingress.
 
-Copies of the features on the ingress: frame 1 of a part is one buffer, the rank's
-array as it lies in the object store for a part of one image (no copy), else the
-items' arrays from the ranks concatenated in item order (ZMQ sends from it; frame 0
-is a small pickle); an encoder-cache entry is one copy of its item's rows (the
-ranks' arrays are read-only views of the object store), which ``safetensors``
-writes to the file.
+Copies of the features on the ingress for sglang: frame 1 of a part is one buffer,
+the rank's array as it lies in the object store for a part of one image (no copy),
+else the items' arrays from the ranks concatenated in item order (ZMQ sends from
+it; frame 0 is a small pickle).
 
 Ray-free, like fanout.py: the registry is a ``RegistryClient``
 (``handles.RegistryHandle`` in the service).
@@ -64,8 +65,7 @@ from kimi_encoder.engines.sglang import (
     stored_embedding_frames,
 )
 from kimi_encoder.engines.transport import Frame, ReceiveAddressRefused, ReceivePolicy, ZmqPusher
-from kimi_encoder.engines.vllm import VLLM_VERSION, EcCacheEntry, write_ec_cache
-from kimi_encoder.features import from_numpy
+from kimi_encoder.engines.vllm import EC_FILENAME, VLLM_VERSION
 from kimi_encoder.items import EncoderInputError, EncoderItem
 
 from . import errors
@@ -75,6 +75,7 @@ from .fanout import Call, FanOut, Gathered, NoRankAvailableError, RequestTimeout
 from .metrics import RequestTrace
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
+from .sinks import EcDestination, Written
 
 log = logging.getLogger("ray.serve")
 
@@ -229,39 +230,40 @@ class Handoff:
                     call.cancel()
         raise NoRankAvailableError(self.fanout.health.retry_after_s())
 
-    async def write_ec(self, model: str, admitted: Admitted, gathered: Gathered) -> JSONResponse:
-        """Output kind ``vllm_ec``: every item's features as an encoder-cache entry under
-        ``ec_root``, all written (renamed into place and synced) before the answer."""
-        assert admitted.output is not None, "a vllm_ec answer for a request without an output"
+    def ec_destination(self, admitted: Admitted) -> EcDestination:
+        """Output kind ``vllm_ec``: where each item's encoder-cache entry goes. The rank
+        that encodes an image writes its entries (renamed into place and synced) before
+        it answers, from its own host buffer or cache; no feature byte reaches the
+        ingress."""
+        assert admitted.output is not None, "a vllm_ec destination for a request without one"
         assert self.ec_root is not None, admitted.output
-        uuids = admitted.output.uuids
-        entries = await asyncio.to_thread(self._write_entries, uuids, gathered)
-        items = [
-            EcEntry(
-                index=i,
-                uuid=entry.uuid,
-                path=str(entry.path.relative_to(self.ec_root)),
-                grid_thw=list(item.grid),
-                num_tokens=entry.num_tokens,
-                owner_rank=owner,
-                shape=[entry.num_tokens, entry.hidden],
-                dtype=entry.dtype,
-                bytes=entry.nbytes,
+        return EcDestination(str(self.ec_root), admitted.output.uuids)
+
+    def ec_answer(self, model: str, admitted: Admitted, gathered: Gathered) -> JSONResponse:
+        """The metadata of every entry the ranks wrote for ``admitted`` (``ec_destination``)."""
+        assert admitted.output is not None, "a vllm_ec answer for a request without an output"
+        items = []
+        uuids, owners = admitted.output.uuids, gathered.owners
+        for i, (item, written) in enumerate(zip(admitted.items, gathered.features, strict=True)):
+            uuid, owner = uuids[i], owners[i]
+            assert isinstance(written, Written), (i, type(written))
+            tokens, hidden = written.shape
+            items.append(
+                EcEntry(
+                    index=i,
+                    uuid=uuid,
+                    path=f"{uuid}/{EC_FILENAME}",
+                    grid_thw=list(item.grid),
+                    num_tokens=tokens,
+                    owner_rank=owner,
+                    shape=[tokens, hidden],
+                    dtype=written.dtype,
+                    bytes=written.sizes[uuid],
+                )
             )
-            for i, (entry, item, owner) in enumerate(
-                zip(entries, admitted.items, gathered.owners, strict=True)
-            )
-        ]
-        tokens = sum(entry.num_tokens for entry in entries)
+        tokens = sum(entry.num_tokens for entry in items)
         usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
         return JSONResponse(EcWriteResponse(model=model, items=items, usage=usage).model_dump())
-
-    def _write_entries(self, uuids: Sequence[str], gathered: Gathered) -> list[EcCacheEntry]:
-        assert self.ec_root is not None
-        return [
-            write_ec_cache(self.ec_root, uuid, from_numpy(array, gathered.dtype))
-            for uuid, array in zip(uuids, gathered.features, strict=True)
-        ]
 
     async def _frames(self, req: EncodeRequest, trace: RequestTrace) -> list[Frame]:
         images = await asyncio.to_thread(load_images, req, self.policy)

@@ -122,10 +122,11 @@ class EncodeServer:
             with self.bodies.take():
                 admitted = await self.admission.admit(request)
             trace.admitted(admitted.items)
-            gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
+            to = self.handoff.ec_destination(admitted) if admitted.output is not None else None
+            gathered = await self.fanout.run(admitted.items, admitted.feature_dtype, to)
             trace.gathered(gathered)
             if admitted.output is not None:
-                return await self.handoff.write_ec(self.model_name, admitted, gathered)
+                return self.handoff.ec_answer(self.model_name, admitted, gathered)
             if admitted.response_format == "safetensors":
                 response = safetensors_response(self.model_name, admitted, gathered)
                 response.headers["X-Timings-Ms"] = json.dumps(trace.timings())

@@ -35,8 +35,18 @@ PREFIX = "kimi_encoder_"
 # Stages, in the order a request meets them. `queue_wait`, `preprocess` and `forward`
 # are measured on the owner rank, `transfer` (rank done -> ingress has the result) and
 # the rest on the ingress.
-STAGES = ("admission", "queue_wait", "preprocess", "forward", "transfer", "gather", "end_to_end")
-RANK_STAGES = ("queue_wait", "preprocess", "forward", "transfer")
+STAGES = (
+    "admission",
+    "queue_wait",
+    "preprocess",
+    "forward",
+    "deliver",
+    "transfer",
+    "gather",
+    "end_to_end",
+)
+RANK_STAGES = ("queue_wait", "preprocess", "forward", "transfer")  # of every rank call
+DELIVER = "deliver"  # of a call whose rank delivers its features itself (sinks.py)
 INGRESS_RANK = "ingress"  # `rank` tag of the stages that belong to the whole request
 BACKEND_TAGS = ("cpu", "gpu", "none")  # `none`: the request failed before it had one
 # Milliseconds: sub-ms header parsing up to minute-long batches of big images.
@@ -300,6 +310,6 @@ class RankMetrics:
         self.tokens.inc(tokens, tags=self.tags)
         self.batch_images.set(images, tags=self.tags)
         for stage, ms in stages_ms.items():
-            assert stage in RANK_STAGES, stage
+            assert stage in (*RANK_STAGES, DELIVER), stage
             tags = {**self.tags, "stage": stage, "backend": _backend_tag(backend)}
             self.stage_ms.observe(ms, tags=tags)

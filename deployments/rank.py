@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import math
@@ -16,13 +17,15 @@ import torch
 from PIL import Image
 
 from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.features import dtype_name, to_numpy
+from kimi_encoder.engines.vllm import write_ec_array
+from kimi_encoder.features import dtype_name, storage_dtype, to_numpy
 from kimi_encoder.items import EncoderItem
 
 from .args import ModelArgs, RankArgs
 from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
-from .metrics import RankMetrics
+from .metrics import DELIVER, RankMetrics
+from .sinks import EcFiles, Written
 
 log = logging.getLogger("ray.serve")
 
@@ -112,6 +115,7 @@ class EncoderRank:
         self.probe_features = self.batcher.run_in_worker_sync(self._probe)
         self.probe_tolerance = PROBE_TOLERANCE[self.encoder.dtype]
         self.health_checks = 0
+        self.ec_entries = 0  # vLLM encoder-cache files this rank wrote
         self.load_s = time.perf_counter() - started
         self.metrics = RankMetrics(rank)
         self.metrics.leased(0)
@@ -130,10 +134,13 @@ class EncoderRank:
         feature_dtype: str,
         sent_at: float | None = None,
         caller: str = "",
+        sink: EcFiles | None = None,
     ) -> dict:
         """Features of ``items``: one array per item (or its object-store ref, with the
         cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
         answered with them; bfloat16 as uint16 words, see ``kimi_encoder.features``).
+        With a ``sink`` the features go there from this rank instead, and each item is
+        answered with what was delivered (``sinks.Written``).
 
         ``indices`` are the request's item indices, used only to name a bad item;
         ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
@@ -163,7 +170,12 @@ class EncoderRank:
         # store (StoredFeatures). Arrays are carried as they are: Ray writes the answer
         # into one object-store object, every array's bytes once, and the ingress reads
         # each in place. Concatenating them here first would copy every byte once more.
-        features = [_carried(r) for r in results]
+        if sink is None:
+            features = [_carried(r) for r in results]
+        else:
+            delivered_at = time.perf_counter()
+            features = await self._write(sink, results)
+            stages[DELIVER] = (time.perf_counter() - delivered_at) * 1e3
         answered = [i for i, r in zip(items, results, strict=True) if r is not NOT_CACHED]
         backend = next((i.deferred.backend for i in answered if i.deferred is not None), "none")
         patches, tokens = sum(i.num_patches for i in answered), sum(t.shape[0] for t in tensors)
@@ -191,6 +203,17 @@ class EncoderRank:
             "load": self.batcher.load(),  # saves the ingress a poll
         }
 
+    async def _write(self, sink: EcFiles, results: Sequence) -> list[Written | None]:
+        """Each image's encoder-cache entries, written from its host features or, for a
+        cache hit, from the object store in place; None where it is ``NOT_CACHED``."""
+        arrays = [
+            None if r is NOT_CACHED else (await r.ref if isinstance(r, StoredFeatures) else r)
+            for r in results
+        ]
+        written = await asyncio.to_thread(_write_entries, sink, arrays)
+        self.ec_entries += sum(len(w.sizes) for w in written if w is not None)
+        return written
+
     async def load(self) -> dict:
         """Outstanding work by caller and the fitted cost model (polled by the ingress)."""
         return self.batcher.load()
@@ -204,6 +227,7 @@ class EncoderRank:
             "node_id": ray.get_runtime_context().get_node_id(),
             "load_s": round(self.load_s, 3),
             "health_checks": self.health_checks,
+            "ec_entries": self.ec_entries,
             "leases": self.leases.info(),
             **self.batcher.info(),  # calls, items, patches, num_threads (the encode thread's)
         }
@@ -258,6 +282,24 @@ def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
         "resources once in the application's args (ranks: {actor_options: ...}) and remove "
         "the override."
     )
+
+
+def _write_entries(sink: EcFiles, arrays: Sequence) -> list[Written | None]:
+    """``EcFiles``' entries of each image (a host tensor or a stored array); None stays
+    None. A file that cannot be written fails the call, naming its root."""
+    written: list[Written | None] = []
+    for uuids, features in zip(sink.uuids, arrays, strict=True):
+        if features is None:
+            written.append(None)
+            continue
+        if isinstance(features, torch.Tensor):
+            array, dtype = to_numpy(features), dtype_name(features.dtype)
+        else:  # an object-store array: its dtype is its storage's (kimi_encoder.features)
+            array, dtype = features, storage_dtype(features)
+        entries = [write_ec_array(sink.root, uuid, array, dtype) for uuid in uuids]
+        sizes = {entry.uuid: entry.nbytes for entry in entries}
+        written.append(Written((int(array.shape[0]), int(array.shape[1])), dtype, sizes))
+    return written
 
 
 def _carried(result) -> object:

@@ -75,6 +75,14 @@ def to_numpy(features: torch.Tensor) -> np.ndarray:
     return data.numpy()
 
 
+def storage_dtype(array: np.ndarray) -> str:
+    """The feature dtype whose storage array ``array`` is (``STORAGE``'s inverse)."""
+    for name, storage in STORAGE.items():
+        if array.dtype == storage:
+            return name
+    raise ValueError(f"{array.dtype} is no feature dtype's storage; allowed: {STORAGE}.")
+
+
 def from_numpy(array: np.ndarray, name: str) -> torch.Tensor:
     """The tensor a storage array holds (shares its memory; read-only arrays are copied)."""
     check_dtype(name)
@@ -113,6 +121,14 @@ def safetensors_body(
     """A safetensors file of ``{name: (array, safetensors dtype)}`` (the layout
     ``safetensors`` writes), the payload copied once: each array's buffer is joined
     straight into the output."""
+    return b"".join(safetensors_parts(tensors, metadata))
+
+
+def safetensors_parts(
+    tensors: Mapping[str, tuple[np.ndarray, str]], metadata: Mapping[str, str] | None = None
+) -> list[bytes | memoryview]:
+    """``safetensors_body``'s pieces in order, uncopied: the length and header, then a
+    view of each (contiguous) array's buffer, for writing to a file as they are."""
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -130,7 +146,7 @@ def safetensors_body(
         offset += array.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the format aligns the data to 8 bytes
-    return b"".join([struct.pack("<Q", len(raw)), raw, *buffers])
+    return [struct.pack("<Q", len(raw)) + raw, *buffers]
 
 
 def read_safetensors(blob: bytes | memoryview) -> tuple[dict[str, tuple[np.ndarray, str]], dict]:

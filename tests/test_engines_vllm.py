@@ -1,4 +1,5 @@
-"""vLLM encoder-cache files: layout, dtype, uuid checks, and no half-written file ever visible."""
+"""vLLM encoder-cache files: layout, dtype, uuid checks, no half-written file ever visible,
+and a rank writing them from its host tensors or from the object store."""
 
 import json
 import struct
@@ -9,7 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from deployments.rank import _write_entries
+from deployments.sinks import EcFiles, Written
 from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY, ec_cache_path, write_ec_cache
+from kimi_encoder.features import from_numpy, to_numpy
 
 
 def _header_dtype(path) -> str:
@@ -84,3 +88,27 @@ def test_no_partial_file_is_ever_visible(tmp_path):
             done.set()
         reader.result()  # raises what the reader met
     assert torch.equal(load_file(path)[EC_KEY], versions[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_rank_writes_entries_from_host_tensors_and_stored_arrays(tmp_path, dtype):
+    """A rank writes each image's entries from the tensor its features were copied to,
+    or, for a cache hit, from the read-only storage array the object store holds (written
+    from its buffer as it is); an image answered missing writes nothing."""
+    rng = torch.Generator().manual_seed(3)
+    host = torch.randn(5, 16, generator=rng).to(dtype)
+    stored = to_numpy(torch.randn(3, 16, generator=rng).to(dtype)).copy()
+    stored.flags.writeable = False  # as Ray's object store hands it out
+    sink = EcFiles(str(tmp_path), (("a", "a-again"), ("b",), ("c",)))
+    written = _write_entries(sink, [host, stored, None])
+    name = str(dtype).removeprefix("torch.")
+    assert written[2] is None
+    for entry, uuids, want in zip(written[:2], sink.uuids[:2], [host, stored], strict=True):
+        want = want if isinstance(want, torch.Tensor) else from_numpy(want, name)
+        assert isinstance(entry, Written)
+        assert (entry.shape, entry.dtype) == (tuple(want.shape), name)
+        for uuid in uuids:
+            path = ec_cache_path(tmp_path, uuid)
+            assert entry.sizes[uuid] == path.stat().st_size
+            assert torch.equal(load_file(path)[EC_KEY], want)  # safetensors' own reader
+    assert not (tmp_path / "c").exists()

@@ -26,6 +26,7 @@ from deployments.fanout import (
     RankUnavailableError,
     RequestTimeoutError,
 )
+from deployments.sinks import EcDestination, EcFiles, Written
 from kimi_encoder.config import get_preset
 from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
 
@@ -62,18 +63,25 @@ class FakeRank:
         self.behaviour = behaviour
         self.calls: list[list[int]] = []  # request indices of each encode call
         self.held: list[list[bool]] = []  # which of them the fan-out expected cached
+        self.sinks: list = []  # each call's sink (None: features come back)
         self.cancelled = 0
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=()) -> FakeCall:
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
         self.calls.append(list(indices))
         self.held.append(list(held))
-        return FakeCall(self._encode(list(indices), list(items), feature_dtype))
+        self.sinks.append(sink)
+        return FakeCall(self._encode(list(indices), list(items), feature_dtype, sink))
 
-    async def _encode(self, indices, items, feature_dtype):
+    async def _encode(self, indices, items, feature_dtype, sink=None):
         try:
             if self.behaviour is not None:
                 await self.behaviour(self.rank, indices, items)
             features = [features_of(item) for item in items]
+            if sink is not None:  # delivered there: what was written, in their place
+                features = [
+                    Written(f.shape, feature_dtype, {u: f.nbytes for u in uuids})
+                    for f, uuids in zip(features, sink.uuids, strict=True)
+                ]
             return {  # the rank's contract: one array per item, in the call's order
                 "rank": self.rank,
                 "features": features,
@@ -370,8 +378,8 @@ class Unrouted(FakeRank):
         self.route = route
         self.pending: list[FakeCall] = []
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=()) -> FakeCall:
-        call = super().encode(indices, items, sent_at, caller, feature_dtype, held)
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
+        call = super().encode(indices, items, sent_at, caller, feature_dtype, held, sink)
         call.routed = False
         self.pending.append(call)
         return call
@@ -694,3 +702,31 @@ def test_progress_is_an_answered_count_that_moves_or_an_idle_rank():
     clock.now = 1030.0
     health.heard(0)  # an encode answer
     assert health.quiet_from(0, 5.0) == 1030.0
+
+
+def test_a_destination_goes_to_each_call_as_the_entries_of_its_images():
+    """vLLM entries written by the ranks: each call's sink names, per image it carries,
+    the uuids of every request item that image stands for (a duplicate's too); the
+    answers are what was written, and every item gets its image's record."""
+    ranks = [FakeRank(0), FakeRank(1)]
+    fanout, _ = fan_out(ranks)
+    request = items(4, seed=150)
+    request = [request[0], request[1], request[0], request[2], request[3], request[1]]
+    uuids = [f"u{i}" for i in range(len(request))]
+    to = EcDestination("/ec", uuids)
+    gathered = asyncio.run(fanout.run(request, "bfloat16", to))
+    sent = [s for r in ranks for s in r.sinks]
+    assert all(isinstance(s, EcFiles) and s.root == "/ec" for s in sent)
+    for rank in ranks:
+        for indices, sink in zip(rank.calls, rank.sinks, strict=True):
+            for index, names in zip(indices, sink.uuids, strict=True):
+                twins = [i for i, item in enumerate(request) if item.image == request[index].image]
+                assert names == tuple(uuids[i] for i in twins)
+    assert sorted(u for s in sent for names in s.uuids for u in names) == sorted(uuids)
+    for i, written in enumerate(gathered.features):
+        assert isinstance(written, Written)
+        assert uuids[i] in written.sizes
+        assert written.shape == features_of(request[i]).shape
+        assert written.dtype == "bfloat16"
+    assert gathered.features[0] is gathered.features[2]  # one image, written for both
+    assert gathered.destination is to

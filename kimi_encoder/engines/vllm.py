@@ -16,8 +16,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
+
+from ..features import SAFETENSORS, dtype_name, safetensors_parts, to_numpy
 
 VLLM_VERSION = "0.33.0"
 EC_FILENAME = "encoder_cache.safetensors"
@@ -66,34 +68,45 @@ def write_ec_cache(root: str | os.PathLike, uuid: str, features: torch.Tensor) -
     exist (it is the engine's ``shared_storage_path``); ``uuid``'s directory is
     created. An existing entry is replaced whole.
     """
+    tensor = features.detach().cpu()
+    return write_ec_array(root, uuid, to_numpy(tensor), dtype_name(tensor.dtype))
+
+
+def write_ec_array(
+    root: str | os.PathLike, uuid: str, array: np.ndarray, dtype: str
+) -> EcCacheEntry:
+    """``write_ec_cache`` of features held as their storage array (``kimi_encoder.features``:
+    bfloat16 as 16-bit words), written from the array's buffer without a copy (a
+    read-only array from Ray's object store, say)."""
     path = ec_cache_path(root, uuid)
     if not Path(root).is_dir():
         raise FileNotFoundError(
             f"encoder-cache root {str(root)!r} is not a directory; create it, or point the "
-            "server at the consumer's shared_storage_path."
+            "server at the consumer's shared_storage_path (on every node that runs a rank)."
         )
-    if features.ndim != 2 or features.shape[0] < 1:
+    if array.ndim != 2 or array.shape[0] < 1:
         raise ValueError(
             f"features must be a non-empty (num_embeds, hidden) tensor, got shape "
-            f"{tuple(features.shape)}."
+            f"{tuple(array.shape)}."
         )
-    tensor = features.detach().cpu().contiguous()
     path.parent.mkdir(exist_ok=True)
     tmp = path.with_name(f".{EC_FILENAME}.{secrets.token_hex(8)}.tmp")
     try:
-        save_file({EC_KEY: tensor}, tmp)
-        _fsync(tmp, os.O_RDONLY)
+        with open(tmp, "wb") as out:
+            out.writelines(safetensors_parts({EC_KEY: (array, SAFETENSORS[dtype])}))
+            out.flush()
+            os.fsync(out.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    num_tokens, hidden = tensor.shape
+    num_tokens, hidden = array.shape
     return EcCacheEntry(
         uuid=uuid,
         path=path,
         num_tokens=num_tokens,
         hidden=hidden,
-        dtype=str(tensor.dtype).removeprefix("torch."),
+        dtype=dtype,
         nbytes=path.stat().st_size,
     )
 

@@ -360,6 +360,36 @@ def test_vllm_ec_files_are_complete_when_answered(url, ec_root):
     assert answer["usage"]["tokens"] == offset == len(want)
 
 
+def test_vllm_ec_files_are_written_by_the_ranks(url, ec_root):
+    """The rank that encodes an image writes its entries, one per uuid (an image sent
+    twice under two uuids is encoded once and written twice): ranks' ``ec_entries``
+    count every file, so none was written by the ingress."""
+    images = [IMAGES[0], IMAGES[2], IMAGES[0]]
+    uuids = ["twice-a", "once-b", "twice-c"]
+    before = sum(
+        r["ec_entries"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    )
+    body = {
+        "items": [{"type": "image", "image": b64(data)} for data in images],
+        "output": {"kind": "vllm_ec", "uuids": uuids},
+    }
+    response = requests.post(f"{url}/v1/encode", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    entries = response.json()["items"]
+    assert entries[0]["owner_rank"] == entries[2]["owner_rank"]  # one image, one rank
+    files = {u: load_file(ec_root / u / "encoder_cache.safetensors")["ec_cache"] for u in uuids}
+    assert torch.equal(files["twice-a"], files["twice-c"])
+    assert not torch.equal(files["twice-a"][:1], files["once-b"][:1])
+    for entry in entries:
+        assert entry["bytes"] == (ec_root / entry["path"]).stat().st_size
+    assert ec_entries(url) - before == len(uuids)
+
+
+def ec_entries(url: str) -> int:
+    """Encoder-cache files written by all ranks of the app so far."""
+    return sum(r["ec_entries"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"])
+
+
 def test_vllm_ec_without_ec_root_says_how_to_configure_it(bf16_url):
     body = {
         "items": [{"type": "image", "image": b64(IMAGES[0])}],
