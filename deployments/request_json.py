@@ -1,9 +1,8 @@
 """Request bodies as JSON: parsed by ``orjson``, with the standard library's answers.
 
-An encode request carries its images as base64 strings: a request of four
-448x448 PNGs (``benchmarks/bench_bytes.py``'s) is 2.4 MB of JSON that is almost
-all string. On one core of a 2-core EPYC the standard library with the pairs hook
-below parses it in 2.2 ms, ``loads`` in 1.05 ms.
+An encode request carries its images as base64 strings: megabytes of JSON that
+are almost all string, which orjson parses in about half the standard library's
+time (docs/api.md, "Measurements behind the code").
 
 ``loads`` answers exactly what ``json.loads(body, object_pairs_hook=...)`` with a
 hook refusing repeated keys answers:
