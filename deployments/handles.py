@@ -54,7 +54,7 @@ from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
 from .fanout import RankUnavailableError
-from .sinks import EcFiles
+from .sinks import EcFiles, Kept, PartPush
 
 log = logging.getLogger("ray.serve")
 
@@ -257,7 +257,7 @@ class RankHandle:
         caller: str,
         feature_dtype: str,
         held: list[bool] | tuple = (),
-        sink: EcFiles | None = None,
+        sink: EcFiles | Kept | None = None,
     ) -> RankCall:
         """Images the rank's cache is expected to hold (``held``) go by digest, without
         their file bytes, which as call arguments cost Ray's object store CPU on every
@@ -278,6 +278,11 @@ class RankHandle:
             return again, {**kwargs, **resent, "sent_at": time.time()}
 
         return self._call("encode", None, indices, sent, refill=refill, **kwargs)
+
+    def push(self, part: PartPush, stored: Sequence[Any]) -> RankCall:
+        """Have the rank push ``part`` (``EncoderRank.push``); ``stored`` are the refs the
+        ranks kept of its images' features, passed on unread."""
+        return self._call("push", None, part, list(stored))
 
     def load(self) -> RankCall:
         return self._call("load", self.route_timeout_s)

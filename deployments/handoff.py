@@ -3,10 +3,11 @@
 sglang 0.5.23 (``kimi_encoder.engines.sglang``, docs/epd.md), three routes:
 
 - ``POST /encode``: one part of a prefill request's images. They go through the
-  same admission, owner assignment, rank encode and ordered gather as
-  ``/v1/encode``, in the model's dtype; this ingress replica then pushes the
-  part's two frames over ZMQ to every address the part names, and answers only
-  once they are sent. Features never pass through Serve's HTTP proxy.
+  same admission, owner assignment and rank encode as ``/v1/encode``, in the
+  model's dtype, each rank keeping its images' features in Ray's object store
+  (``sinks.Kept``); one rank then gathers them and pushes the part's two frames
+  over ZMQ to every checked address the part names (``EncoderRank.push``), and the
+  part is answered once they are sent. No feature byte passes through the ingress.
 - ``POST /scheduler_receive_url``: a scheduler rank's address for one part
   (zmq_to_scheduler). A part's registrations and its ``/encode`` may reach
   different ingress replicas, so the addresses are kept by one
@@ -26,10 +27,7 @@ metadata. The rank that encodes an image writes its files (``sinks.EcFiles``),
 from the buffer its features were copied to from the device, or for a cache hit
 from the object store in place: no feature byte reaches the ingress.
 
-Copies of the features on the ingress for sglang: frame 1 of a part is one buffer,
-the rank's array as it lies in the object store for a part of one image (no copy),
-else the items' arrays from the ranks concatenated in item order (ZMQ sends from
-it; frame 0 is a small pickle).
+docs/epd.md ("Where the copies are") follows each byte.
 
 Ray-free, like fanout.py: the registry is a ``RegistryClient``
 (``handles.RegistryHandle`` in the service).
@@ -43,12 +41,10 @@ import json
 import logging
 import os
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-import torch
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -62,20 +58,26 @@ from kimi_encoder.engines.sglang import (
     load_images,
     push_frames,
     receive_endpoints,
-    stored_embedding_frames,
 )
 from kimi_encoder.engines.transport import Frame, ReceiveAddressRefused, ReceivePolicy, ZmqPusher
 from kimi_encoder.engines.vllm import EC_FILENAME, VLLM_VERSION
-from kimi_encoder.items import EncoderInputError, EncoderItem
+from kimi_encoder.items import EncoderInputError
 
 from . import errors
 from .admission import Admission, Admitted, read_body
 from .args import HandoffArgs
-from .fanout import Call, FanOut, Gathered, NoRankAvailableError, RequestTimeoutError
+from .fanout import (
+    Call,
+    FanOut,
+    Gathered,
+    NoRankAvailableError,
+    RankUnavailableError,
+    RequestTimeoutError,
+)
 from .metrics import RequestTrace
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
-from .sinks import EcDestination, Written
+from .sinks import KEPT, EcDestination, PartPush, Written
 
 log = logging.getLogger("ray.serve")
 
@@ -190,8 +192,7 @@ class Handoff:
         try:
             if req.receive_address is not None:  # checked before anything is encoded
                 await _within(receivers.endpoints(), work_until, timeout_s)
-            frames = await _within(self._frames(req, trace), work_until, timeout_s)
-            await _within(self._push(req, frames, receivers), work_until, timeout_s)
+            await _within(self._encode_and_push(req, trace, receivers), work_until, timeout_s)
         except ReceiveAddressRefused as exc:  # nothing, not even an error frame, goes there
             raise errors.PartFailedError(req.req_id, exc) from exc
         except Exception as exc:  # answered as the part's failure
@@ -265,7 +266,26 @@ class Handoff:
         usage = Usage(images=len(items), patches=admitted.patches, tokens=tokens)
         return JSONResponse(EcWriteResponse(model=model, items=items, usage=usage).model_dump())
 
-    async def _frames(self, req: EncodeRequest, trace: RequestTrace) -> list[Frame]:
+    async def _encode_and_push(
+        self, req: EncodeRequest, trace: RequestTrace, receivers: _PartReceivers
+    ) -> None:
+        """Encode the part, its features kept by the ranks, and have one rank push it. A
+        push that fails for a rank (the pusher died, or a rank whose features it reads
+        did) is tried once more from the start: the fan-out then sends the lost images to
+        the ranks still up."""
+        for attempt in (1, 2):
+            admitted, gathered = await self._kept(req, trace)
+            try:
+                await self._push_from_rank(req, admitted, gathered, receivers)
+                return
+            except RankUnavailableError as exc:
+                if attempt == 2:
+                    raise
+                log.warning("part %s: %s while pushing; encoding it again", req.req_id, exc)
+
+    async def _kept(self, req: EncodeRequest, trace: RequestTrace) -> tuple[Admitted, Gathered]:
+        """The part's images admitted and encoded, their features kept in the ranks' object
+        stores (``gathered.features``: the ranks' refs, unread here)."""
         images = await asyncio.to_thread(load_images, req, self.policy)
         admitted = self.admission.admit_files(
             [image.data for image in images],
@@ -274,9 +294,39 @@ class Handoff:
             digests=[image.sha256 for image in images],  # checked content_hash: hashed once
         )
         trace.admitted(admitted.items)
-        gathered = await self.fanout.run(admitted.items, admitted.feature_dtype)
+        gathered = await self.fanout.run(admitted.items, admitted.feature_dtype, KEPT)
         trace.gathered(gathered)
-        return part_frames(req, admitted.items, gathered)
+        return admitted, gathered
+
+    async def _push_from_rank(
+        self,
+        req: EncodeRequest,
+        admitted: Admitted,
+        gathered: Gathered,
+        receivers: _PartReceivers,
+    ) -> None:
+        """One rank pushes the part: the rank that encoded most of its rows (while it is
+        up), reading the other ranks' rows from their object stores. The ingress sends
+        the refs and the checked endpoints, no feature byte."""
+        endpoints = await receivers.endpoints()
+        sizes = [item.original_size for item in admitted.items]
+        assert all(size is not None for size in sizes), "encoded files have an original size"
+        part = PartPush(
+            req=req,
+            dtype=gathered.dtype,
+            grids=tuple(tuple(item.grid) for item in admitted.items),
+            sizes=tuple(tuple(size) for size in sizes),
+            endpoints=tuple(endpoints),
+            one_off=req.receive_address is not None,
+            send_timeout_s=self.config.send_timeout_s,
+        )
+        rank = pusher_rank(gathered, self.fanout.health.down())
+        call = self.fanout.ranks[rank].push(part, gathered.features)
+        try:
+            await call
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
 
     def _receivers(self, req: EncodeRequest, until: float) -> _PartReceivers:
         if req.receive_address is not None:  # zmq_to_tokenizer: the part names its address
@@ -321,19 +371,15 @@ class Handoff:
         return errors.PartFailedError(req.req_id, exc)
 
 
-def part_frames(
-    req: EncodeRequest, items: Sequence[EncoderItem], gathered: Gathered
-) -> list[Frame]:
-    """The part's two frames. Frame 1 is the rank's array itself for a part of one image
-    (read in place from the object store: no copy on the ingress), else the ingress's
-    one copy: the items' arrays concatenated into one buffer, in item order."""
-    arrays = gathered.features
-    # (tokens, hidden); ascontiguousarray returns a contiguous array itself
-    rows = np.ascontiguousarray(arrays[0]) if len(arrays) == 1 else np.concatenate(arrays)
-    grids = torch.tensor([item.grid for item in items], dtype=torch.int64)
-    sizes = [item.original_size for item in items]
-    assert all(size is not None for size in sizes), "encoded files have an original size"
-    return stored_embedding_frames(req, rows, gathered.dtype, grids, sizes)
+def pusher_rank(gathered: Gathered, down: Collection[int]) -> int:
+    """The rank that pushes a part: of the ranks up, the one that encoded most of its rows
+    (ties: the lowest); with none of them up, the first owner (its call fails, and the
+    part with it)."""
+    rows: dict[int, int] = {}
+    for owner, features in zip(gathered.owners, gathered.features, strict=True):
+        rows[owner] = rows.get(owner, 0) + features.shape[0]
+    up = {r: n for r, n in rows.items() if r not in down} or rows
+    return min(up, key=lambda r: (-up[r], r))
 
 
 class _PartReceivers:

@@ -17,6 +17,8 @@ import torch
 from PIL import Image
 
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.engines.sglang import push_frames
+from kimi_encoder.engines.transport import ZmqPusher
 from kimi_encoder.engines.vllm import write_ec_array
 from kimi_encoder.features import dtype_name, storage_dtype, to_numpy
 from kimi_encoder.items import EncoderItem
@@ -25,7 +27,7 @@ from .args import ModelArgs, RankArgs
 from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
-from .sinks import EcFiles, Written
+from .sinks import EcFiles, Kept, PartPush, Written, part_frames
 
 log = logging.getLogger("ray.serve")
 
@@ -116,6 +118,8 @@ class EncoderRank:
         self.probe_tolerance = PROBE_TOLERANCE[self.encoder.dtype]
         self.health_checks = 0
         self.ec_entries = 0  # vLLM encoder-cache files this rank wrote
+        self.pushed = 0  # sglang parts this rank pushed
+        self._pusher: ZmqPusher | None = None
         self.load_s = time.perf_counter() - started
         self.metrics = RankMetrics(rank)
         self.metrics.leased(0)
@@ -134,7 +138,7 @@ class EncoderRank:
         feature_dtype: str,
         sent_at: float | None = None,
         caller: str = "",
-        sink: EcFiles | None = None,
+        sink: EcFiles | Kept | None = None,
     ) -> dict:
         """Features of ``items``: one array per item (or its object-store ref, with the
         cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
@@ -172,6 +176,8 @@ class EncoderRank:
         # each in place. Concatenating them here first would copy every byte once more.
         if sink is None:
             features = [_carried(r) for r in results]
+        elif isinstance(sink, Kept):
+            features = await asyncio.to_thread(_kept, results)
         else:
             delivered_at = time.perf_counter()
             features = await self._write(sink, results)
@@ -214,6 +220,21 @@ class EncoderRank:
         self.ec_entries += sum(len(w.sizes) for w in written if w is not None)
         return written
 
+    async def push(self, part: PartPush, stored: Sequence[StoredFeatures]) -> dict:
+        """Push an sglang part from this rank: its images' features (``stored``, in item
+        order, kept by this rank or others: Ray brings another node's here) joined into
+        frame 1, frame 0 beside it, sent to every endpoint of the part."""
+        started = time.perf_counter()
+        arrays = await asyncio.gather(*(features.ref for features in stored))
+        frames = await asyncio.to_thread(part_frames, part, arrays)
+        if self._pusher is None:  # made here: a pusher belongs to the loop it sends from
+            self._pusher = ZmqPusher(send_timeout_s=part.send_timeout_s)
+        await push_frames(frames, part.endpoints, self._pusher, reuse=not part.one_off)
+        self.pushed += 1
+        push_ms = (time.perf_counter() - started) * 1e3
+        nbytes = sum(array.nbytes for array in arrays)
+        return {"rank": self.rank, "bytes": nbytes, "push_ms": push_ms}
+
     async def load(self) -> dict:
         """Outstanding work by caller and the fitted cost model (polled by the ingress)."""
         return self.batcher.load()
@@ -228,6 +249,7 @@ class EncoderRank:
             "load_s": round(self.load_s, 3),
             "health_checks": self.health_checks,
             "ec_entries": self.ec_entries,
+            "parts_pushed": self.pushed,
             "leases": self.leases.info(),
             **self.batcher.info(),  # calls, items, patches, num_threads (the encode thread's)
         }
@@ -282,6 +304,15 @@ def check_resources(rank: int, wanted: Mapping[str, float], context) -> None:
         "resources once in the application's args (ranks: {actor_options: ...}) and remove "
         "the override."
     )
+
+
+def _kept(results: Sequence) -> list[StoredFeatures | None]:
+    """Each image's features in the object store (a cache hit's already are), answered as
+    refs for the rank that pushes the part; None stays None (``NOT_CACHED``)."""
+    return [
+        None if r is NOT_CACHED else r if isinstance(r, StoredFeatures) else StoredFeatures.put(r)
+        for r in results
+    ]
 
 
 def _write_entries(sink: EcFiles, arrays: Sequence) -> list[Written | None]:

@@ -191,3 +191,25 @@ def read_part(frames: list[bytes]) -> tuple[SimpleNamespace, torch.Tensor | None
     assert len(frames) == 2, f"a part is two frames, got {len(frames)}"
     embedding = torch.frombuffer(bytearray(frames[1]), dtype=meta.dtype).reshape(meta.shape)
     return meta, embedding
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + b64(data)
+
+
+def sglang_part(req_id: str, refs: list[str], address: str | None = None, **fields) -> dict:
+    """An /encode body as sglang 0.5.23 sends it; ``address`` set: zmq_to_tokenizer."""
+    host, _, port = (address or "127.0.0.1:").partition(":")
+    return {
+        "encoder_idx": 0,
+        "encoder_url": "http://encoder:8000",
+        "mm_items": refs,
+        "num_parts": 1,
+        "part_idx": 0,
+        "req_id": req_id,
+        "modality": "IMAGE",
+        "prefill_host": host,
+        "embedding_port": int(port) if port else None,
+        "time_stats_json": None,
+        **fields,
+    }

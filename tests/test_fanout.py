@@ -9,12 +9,11 @@ sent to every rank, a hanging rank waits on an event that is never set.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
+from fakes import PRESET, VISION, FakeCall, FakeRank, features_of
 from images import image_bytes
 
 from deployments.args import DispatchArgs
@@ -27,79 +26,7 @@ from deployments.fanout import (
     RequestTimeoutError,
 )
 from deployments.sinks import EcDestination, EcFiles, Written
-from kimi_encoder.config import get_preset
 from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
-
-PRESET = get_preset("tiny")
-VISION = PRESET.vision
-
-
-def features_of(item: EncoderItem) -> np.ndarray:
-    """What a fake rank returns for ``item``: rows derived from its bytes and grid."""
-    seed = int.from_bytes(hashlib.sha256(item.image).digest()[:4], "little")
-    rows = VISION.num_tokens(item.grid)
-    return np.random.default_rng(seed).random((rows, VISION.text_hidden_size), dtype=np.float32)
-
-
-class FakeCall:
-    def __init__(self, coro):
-        self.task = asyncio.ensure_future(coro)
-
-    def __await__(self):
-        return self.task.__await__()
-
-    def cancel(self) -> None:
-        self.task.cancel()
-
-
-Behaviour = Callable[[int, list[int], list[EncoderItem]], object]
-
-
-class FakeRank:
-    """A rank client whose encode runs ``behaviour`` (a coroutine function) or answers."""
-
-    def __init__(self, rank: int, behaviour=None):
-        self.rank = rank
-        self.behaviour = behaviour
-        self.calls: list[list[int]] = []  # request indices of each encode call
-        self.held: list[list[bool]] = []  # which of them the fan-out expected cached
-        self.sinks: list = []  # each call's sink (None: features come back)
-        self.cancelled = 0
-
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
-        self.calls.append(list(indices))
-        self.held.append(list(held))
-        self.sinks.append(sink)
-        return FakeCall(self._encode(list(indices), list(items), feature_dtype, sink))
-
-    async def _encode(self, indices, items, feature_dtype, sink=None):
-        try:
-            if self.behaviour is not None:
-                await self.behaviour(self.rank, indices, items)
-            features = [features_of(item) for item in items]
-            if sink is not None:  # delivered there: what was written, in their place
-                features = [
-                    Written(f.shape, feature_dtype, {u: f.nbytes for u in uuids})
-                    for f, uuids in zip(features, sink.uuids, strict=True)
-                ]
-            return {  # the rank's contract: one array per item, in the call's order
-                "rank": self.rank,
-                "features": features,
-                "dtype": feature_dtype,
-                "encode_ms": 1.0,
-                "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
-                "done_at": 0.0,
-                "load": None,
-            }
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            raise
-
-    def load(self) -> FakeCall:
-        async def report():
-            return {"by_caller": {}, "cost_model": {"a": 0.0, "b": 1.0, "c": 0.0}}
-
-        return FakeCall(report())
 
 
 def fan_out(

@@ -3,20 +3,27 @@ gathered row slices, the checked ec_root. Over HTTP: tests/serve/test_handoff.py
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
+import time
 
 import numpy as np
 import pytest
 import torch
+from fakes import VISION, FakeRank, features_of
 from images import image_bytes
 from serve_helpers import admission, read_frame0
 
 from deployments.admission import Admission, OutputNotConfiguredError
 from deployments.args import AppArgs
-from deployments.fanout import Gathered
-from deployments.handoff import check_ec_root, part_frames
+from deployments.dispatch import Dispatcher
+from deployments.fanout import FanOut, Gathered, RankHealth, RankUnavailableError
+from deployments.handoff import Handoff, check_ec_root, pusher_rank
+from deployments.metrics import RequestTrace
 from deployments.schemas import EncodeRequest as V1Request
+from deployments.security import ApiKey
+from deployments.sinks import PartPush, part_frames
 from kimi_encoder.engines.sglang import EncodeRequest
 from kimi_encoder.features import to_numpy
 from kimi_encoder.items import EncoderInputError
@@ -84,10 +91,31 @@ def test_admitted_files_keep_the_digests_their_part_checked():
         gate().admit_files(IMAGES, None, digests=[digest])
 
 
+def part(items, dtype: str) -> PartPush:
+    """A pushed part of ``items`` (admitted) to one loopback endpoint."""
+    body = {
+        "req_id": "r_local_part_0",
+        "modality": "IMAGE",
+        "mm_items": ["x"] * len(items),
+        "num_parts": 1,
+        "part_idx": 0,
+    }
+    return PartPush(
+        req=EncodeRequest.from_json(body),
+        dtype=dtype,
+        grids=tuple(tuple(item.grid) for item in items),
+        sizes=tuple(tuple(item.original_size) for item in items),
+        endpoints=("tcp://127.0.0.1:1",),
+        one_off=False,
+        send_timeout_s=1.0,
+    )
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
-    """Two ranks' arrays, the part's items interleaved over them: frame 1 is the rows in
-    item order, in one new buffer (frame 0 is checked in test_engines_sglang.py)."""
+    """Two ranks' arrays, the part's items interleaved over them: frame 1 (made on the
+    pushing rank) is the rows in item order, in one new buffer (frame 0 is checked in
+    test_engines_sglang.py)."""
     items = gate().admit_files(IMAGES + IMAGES[:1], None).items  # tokens 6, 4, 6
     rank0 = torch.randn(12, 80).to(getattr(torch, dtype))  # items 0 and 2
     rank1 = torch.randn(4, 80).to(getattr(torch, dtype))  # item 1
@@ -95,15 +123,7 @@ def test_part_frames_concatenate_the_row_slices_in_item_order(dtype):
     for array in arrays:
         array.flags.writeable = False  # as they come out of the object store
     features = [arrays[0][:6], arrays[1], arrays[0][6:]]
-    gathered = Gathered(features, [0, 1, 0], dtype)
-    body = {
-        "req_id": "r_local_part_0",
-        "modality": "IMAGE",
-        "mm_items": ["x"] * 3,
-        "num_parts": 1,
-        "part_idx": 0,
-    }
-    _, frame1 = part_frames(EncodeRequest.from_json(body), items, gathered)
+    _, frame1 = part_frames(part(items, dtype), features)
     want = torch.cat([rank0[:6], rank1, rank0[6:]])
     got = torch.frombuffer(bytearray(frame1), dtype=want.dtype).reshape(want.shape)
     assert torch.equal(got, want)
@@ -119,16 +139,7 @@ def test_part_frames_of_one_image_send_the_ranks_array_itself(dtype):
     rows = torch.randn(6, 80).to(getattr(torch, dtype))
     array = to_numpy(rows)
     array.flags.writeable = False
-    body = {
-        "req_id": "r_local_part_0",
-        "modality": "IMAGE",
-        "mm_items": ["x"],
-        "num_parts": 1,
-        "part_idx": 0,
-    }
-    frame0, frame1 = part_frames(
-        EncodeRequest.from_json(body), items, Gathered([array], [1], dtype)
-    )
+    frame0, frame1 = part_frames(part(items, dtype), [array])
     assert np.shares_memory(np.frombuffer(frame1, np.uint8), array)
     got = torch.frombuffer(bytearray(frame1), dtype=rows.dtype).reshape(rows.shape)
     assert torch.equal(got, rows)
@@ -145,3 +156,89 @@ def test_ec_root_must_be_a_writable_directory(tmp_path):
     assert check_ec_root(None) is None
     with pytest.raises(ValueError, match="is not a writable directory on this ingress's node"):
         check_ec_root(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize(
+    ("owners", "rows", "down", "pusher"),
+    [
+        ([0], [6], set(), 0),  # one image: its rank
+        ([1, 0, 1], [6, 9, 4], set(), 1),  # most rows: 10 on rank 1
+        ([0, 1], [5, 5], set(), 0),  # a tie: the lowest
+        ([1, 0, 1], [6, 9, 4], {1}, 0),  # the largest is down: the next
+        ([1, 1], [6, 4], {1}, 1),  # no owner up: the first (its call fails the part)
+    ],
+    ids=["one", "most-rows", "tie", "largest-down", "none-up"],
+)
+def test_the_rank_with_most_rows_pushes_a_part(owners, rows, down, pusher):
+    features = [np.zeros((n, 8), np.float32) for n in rows]
+    assert pusher_rank(Gathered(features, owners, "float32"), down) == pusher
+
+
+def handoff_of(ranks):
+    """A ``Handoff`` over fake ranks (tests/fakes.py), as ``EncodeServer`` wires it."""
+    args = AppArgs()
+    dispatch = args.dispatch.model_copy(update={"cost_model": "patches"})
+    fanout = FanOut(
+        ranks,
+        Dispatcher(len(ranks), dispatch, model_name="tiny", dtype="float32", cache_enabled=False),
+        RankHealth(ranks, 60.0),
+        vision=VISION,
+        timeout_s=30.0,
+    )
+    return Handoff(args.handoff, "float32", admission(args), fanout, None, ApiKey(None))
+
+
+def tokenizer_part(req_id: str, images: list[bytes]) -> EncodeRequest:
+    refs = ["data:image/png;base64," + base64.b64encode(b).decode() for b in images]
+    body = {
+        "req_id": req_id,
+        "modality": "IMAGE",
+        "mm_items": refs,
+        "num_parts": 1,
+        "part_idx": 0,
+        "prefill_host": "127.0.0.1",
+        "embedding_port": 5,
+    }
+    return EncodeRequest.from_json(body)
+
+
+@pytest.mark.parametrize("fails", [0, 1, 2], ids=["pushed", "pushed-again", "failed"])
+def test_a_part_is_pushed_by_one_rank_with_the_ranks_features(fails):
+    """The part's images are encoded over both ranks, their features kept there; one rank
+    is given every image's features in item order and the checked endpoint, and pushes.
+    A push that fails for a rank is tried once more from the start; a second failure is
+    the part's."""
+    ranks = [FakeRank(0), FakeRank(1)]
+    failures = iter(range(fails))
+
+    async def flaky(rank, part, stored):
+        if next(failures, None) is not None:
+            raise RankUnavailableError(rank, "its replica died while pushing")
+
+    for rank in ranks:
+        rank.push_behaviour = flaky
+    handoff = handoff_of(ranks)
+    images = [image_bytes("RGB", (96, 64), 1), image_bytes("RGB", (64, 48), 2), *IMAGES]
+    req = tokenizer_part("p_local_part_0", images)
+
+    async def run():
+        receivers = handoff._receivers(req, time.monotonic() + 30)
+        try:
+            await handoff._encode_and_push(req, RequestTrace(""), receivers)
+        finally:
+            receivers.close()
+
+    if fails == 2:
+        with pytest.raises(RankUnavailableError, match="died while pushing"):
+            asyncio.run(run())
+        return
+    asyncio.run(run())
+    assert all(len(rank.calls) == 1 + fails for rank in ranks)  # spread over both, each time
+    ((part, features),) = [push for rank in ranks for push in rank.pushes]
+    items = admission(AppArgs()).admit_files(images, None).items
+    assert part.endpoints == ("tcp://127.0.0.1:5",)
+    assert part.one_off
+    assert part.grids == tuple(tuple(item.grid) for item in items)
+    assert part.sizes == tuple(tuple(item.original_size) for item in items)
+    for got, item in zip(features, items, strict=True):
+        np.testing.assert_array_equal(got, features_of(item))

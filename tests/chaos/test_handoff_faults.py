@@ -1,28 +1,32 @@
-"""The engine hand-off when a rank dies under load: vLLM encoder-cache files are written by
-the ranks, so a rank killed while it writes must leave nothing half-written under the
-name vLLM reads, and its images must be written by the ranks still up.
+"""The engine hand-off when a rank dies under load. vLLM encoder-cache files and sglang
+parts are delivered by the ranks, so a rank killed while it writes or pushes must leave
+nothing half-written under the name vLLM reads, and every part must reach its prefill
+either whole or as its error frame.
 
-A dp-2 app writes every ``vllm_ec`` request's entries under a temporary directory while
-four closed-loop clients send requests of two images each (fresh uuids every time)
-and a watcher reads every entry the moment its final name appears. Rank 1 is killed
-once the clients have had answers, and the load goes on until they have had as many
-again. Every answer must be 200 with files equal to the in-process encoder's features.
+A dp-2 app under four closed-loop clients (two images per request, fresh uuids or part
+ids every time); rank 1 is killed once the clients have had answers, and the load goes
+on until they have had as many again. vLLM: a watcher reads every entry the moment its
+final name appears; every answer must be 200 with files equal to the in-process
+encoder's features. sglang: a PULL socket collects what the ranks push; every 200 part
+arrives whole and right, every other answer's part arrives as its error frame.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 import requests
+import zmq
 from load import pool
 from ray import serve
 from safetensors.torch import load_file
-from serve_helpers import app_args, b64, replica_actor
+from serve_helpers import app_args, b64, data_url, read_part, replica_actor, sglang_part
 
 from deployments.app import bind_app
 from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY
@@ -75,32 +79,38 @@ class Watcher(threading.Thread):
             self.stop.wait(0.005)
 
 
-def test_a_rank_killed_while_writing_leaves_no_partial_file(url, ec_root, reference):
-    images, features = pool(reference, count=8, seed=400)
-    counter = itertools.count()
-    answers: list[tuple[int, list[str], list[int]]] = []  # status, uuids, image picks
+def both_ranks_ready(url: str) -> None:
+    """Until both ranks answer ``/v1/info`` as ready (rank 1 may be a replacement still
+    starting after the previous test killed it)."""
+    deadline = time.monotonic() + 120
+    while True:
+        ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+        if all(r.get("state") == "ready" for r in ranks):
+            return
+        assert time.monotonic() < deadline, ranks
+        time.sleep(0.2)
+
+
+def under_a_kill(url: str, send) -> tuple[list, int]:
+    """``CLIENTS`` threads calling ``send(k, rng)`` (one request each time, returning what
+    the test checks later) until they have had ``ANSWERS`` answers after rank 1 was
+    killed, which happens after their first ``ANSWERS``; returns the answers and how
+    many came before the kill."""
+    both_ranks_ready(url)
+    answers: list = []
     lock = threading.Lock()
     enough = threading.Event()
     stop = threading.Event()
 
     def client(k: int) -> None:
         rng = np.random.default_rng(k)
-        with requests.Session() as session:
-            while not stop.is_set():
-                picks = [int(p) for p in rng.choice(len(images), 2, replace=False)]
-                uuids = [f"req-{next(counter)}-{i}" for i in range(2)]
-                body = {
-                    "items": [{"type": "image", "image": b64(images[p])} for p in picks],
-                    "output": {"kind": "vllm_ec", "uuids": uuids},
-                }
-                status = session.post(f"{url}/v1/encode", json=body, timeout=60).status_code
-                with lock:
-                    answers.append((status, uuids, picks))
-                    if len(answers) >= ANSWERS:
-                        enough.set()
+        while not stop.is_set():
+            answer = send(k, rng)
+            with lock:
+                answers.append(answer)
+                if len(answers) >= ANSWERS:
+                    enough.set()
 
-    watcher = Watcher(ec_root)
-    watcher.start()
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(CLIENTS)]
     for thread in threads:
         thread.start()
@@ -119,6 +129,28 @@ def test_a_rank_killed_while_writing_leaves_no_partial_file(url, ec_root, refere
         stop.set()
         for thread in threads:
             thread.join(90)
+    return answers, killed_after
+
+
+def test_a_rank_killed_while_writing_leaves_no_partial_file(url, ec_root, reference):
+    images, features = pool(reference, count=8, seed=400)
+    counter = itertools.count()
+
+    def send(k: int, rng) -> tuple[int, list[str], list[int]]:
+        picks = [int(p) for p in rng.choice(len(images), 2, replace=False)]
+        uuids = [f"req-{next(counter)}-{i}" for i in range(2)]
+        body = {
+            "items": [{"type": "image", "image": b64(images[p])} for p in picks],
+            "output": {"kind": "vllm_ec", "uuids": uuids},
+        }
+        status = requests.post(f"{url}/v1/encode", json=body, timeout=60).status_code
+        return status, uuids, picks
+
+    watcher = Watcher(ec_root)
+    watcher.start()
+    try:
+        answers, killed_after = under_a_kill(url, send)
+    finally:
         watcher.stop.set()
         watcher.join(10)
 
@@ -131,3 +163,42 @@ def test_a_rank_killed_while_writing_leaves_no_partial_file(url, ec_root, refere
             np.testing.assert_allclose(written, features[pick], atol=1e-5, rtol=0)
     temporary = [p for p in ec_root.rglob("*") if p.is_file() and p.name != EC_FILENAME]
     assert all(p.name.endswith(".tmp") and p.name.startswith(".") for p in temporary), temporary
+
+
+def test_a_rank_killed_while_pushing_sends_each_part_whole_or_as_its_error(url, reference):
+    images, features = pool(reference, count=8, seed=500)
+    context = zmq.Context()
+    sink = context.socket(zmq.PULL)
+    port = sink.bind_to_random_port("tcp://127.0.0.1")
+    counter = itertools.count()
+
+    def send(k: int, rng) -> tuple[int, str, list[int]]:
+        picks = [int(p) for p in rng.choice(len(images), 2, replace=False)]
+        req_id = f"chaos-{next(counter)}_local_part_0"
+        body = sglang_part(req_id, [data_url(images[p]) for p in picks], f"127.0.0.1:{port}")
+        status = requests.post(f"{url}/encode", json=body, timeout=60).status_code
+        return status, req_id, picks
+
+    try:
+        answers, killed_after = under_a_kill(url, send)
+        received: dict[str, list] = {}
+        deadline = time.monotonic() + 30  # every answered part has been pushed by now
+        while len(received) < len(answers) and time.monotonic() < deadline:
+            if sink.poll(100):
+                meta, embedding = read_part(sink.recv_multipart())
+                received.setdefault(meta.req_id, []).append((meta, embedding))
+    finally:
+        sink.close(linger=0)
+        context.term()
+
+    statuses = sorted({status for status, _, _ in answers})
+    print(f"\n{len(answers)} parts, rank 1 killed after {killed_after}: statuses {statuses}")
+    for status, req_id, picks in answers:
+        assert len(received.get(req_id, [])) == 1, (status, req_id, received.get(req_id))
+        ((meta, embedding),) = received[req_id]
+        if status == 200:
+            want = np.concatenate([features[p] for p in picks])
+            np.testing.assert_allclose(embedding.float().numpy(), want, atol=1e-5, rtol=0)
+        else:
+            assert embedding is None, (status, meta)
+            assert meta.error_msg, (status, meta)

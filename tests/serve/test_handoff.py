@@ -29,7 +29,16 @@ import zmq
 from images import image_bytes
 from ray import serve
 from safetensors.torch import load_file
-from serve_helpers import IMAGE_SPECS, app_args, b64, decode_features, rank_calls, read_part
+from serve_helpers import (
+    IMAGE_SPECS,
+    app_args,
+    b64,
+    data_url,
+    decode_features,
+    rank_calls,
+    read_part,
+)
+from serve_helpers import sglang_part as part
 
 from deployments.app import bind_app
 from kimi_encoder.items import MSG_IMAGE_ONLY
@@ -101,28 +110,6 @@ def pull():
     ctx.destroy(linger=0)
 
 
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + b64(data)
-
-
-def part(req_id: str, refs: list[str], address: str | None = None, **fields) -> dict:
-    """An /encode body as sglang 0.5.23 sends it; ``address`` set: zmq_to_tokenizer."""
-    host, _, port = (address or "127.0.0.1:").partition(":")
-    return {
-        "encoder_idx": 0,
-        "encoder_url": "http://encoder:8000",
-        "mm_items": refs,
-        "num_parts": 1,
-        "part_idx": 0,
-        "req_id": req_id,
-        "modality": "IMAGE",
-        "prefill_host": host,
-        "embedding_port": int(port) if port else None,
-        "time_stats_json": None,
-        **fields,
-    }
-
-
 def post(url: str, path: str, body: dict) -> requests.Response:
     return requests.post(f"{url}{path}", json=body, timeout=120)
 
@@ -182,6 +169,29 @@ def test_tokenizer_part_is_v1_encode_features_split_across_ranks(url, pull):
     calls = [after - b for after, b in zip(rank_calls(url), before, strict=True)]
     assert all(count >= 1 for count in calls), calls  # the part's images went to both ranks
     assert_part(*receive(sock), "tok_local_part_0", want, items)
+
+
+def test_a_part_spread_over_ranks_is_pushed_by_one_rank(url, pull):
+    """The part's images are encoded on both ranks; one of them gathers the other's rows
+    from the object store and pushes the part, so the ingress sends no feature byte:
+    the ranks' ``parts_pushed`` count it, and the frames are the features in item order."""
+    sock, address = pull()
+    want, items = v1_encode(url, IMAGES)
+    before = ranks_info(url)
+    response = post(
+        url, "/encode", part("spread_local_part_0", [data_url(b) for b in IMAGES], address)
+    )
+    assert response.status_code == 200, response.text
+    after = ranks_info(url)
+    calls = [a["calls"] - b["calls"] for a, b in zip(after, before, strict=True)]
+    pushed = [a["parts_pushed"] - b["parts_pushed"] for a, b in zip(after, before, strict=True)]
+    assert all(count >= 1 for count in calls), calls
+    assert sorted(pushed) == [0, 1], pushed
+    assert_part(*receive(sock), "spread_local_part_0", want, items)
+
+
+def ranks_info(url: str) -> list[dict]:
+    return requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
 
 
 def test_bfloat16_part_is_the_float32_features_rounded(bf16_url, pull):

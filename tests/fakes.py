@@ -1,0 +1,100 @@
+"""Fake rank clients for the fan-out and hand-off tests without Ray: each answers with
+features derived from its items' bytes (so a wrong order or a mixed-up duplicate shows
+as wrong data), runs a test's ``behaviour`` first, and records its calls."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+
+import numpy as np
+
+from deployments.sinks import EcFiles, Written
+from kimi_encoder.config import get_preset
+from kimi_encoder.items import EncoderItem
+
+PRESET = get_preset("tiny")
+VISION = PRESET.vision
+
+
+def features_of(item: EncoderItem) -> np.ndarray:
+    """What a fake rank returns for ``item``: rows derived from its bytes and grid."""
+    seed = int.from_bytes(hashlib.sha256(item.image).digest()[:4], "little")
+    rows = VISION.num_tokens(item.grid)
+    return np.random.default_rng(seed).random((rows, VISION.text_hidden_size), dtype=np.float32)
+
+
+class FakeCall:
+    def __init__(self, coro):
+        self.task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self.task.__await__()
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+Behaviour = Callable[[int, list[int], list[EncoderItem]], object]
+
+
+class FakeRank:
+    """A rank client whose encode runs ``behaviour`` (a coroutine function) or answers."""
+
+    def __init__(self, rank: int, behaviour=None):
+        self.rank = rank
+        self.behaviour = behaviour
+        self.calls: list[list[int]] = []  # request indices of each encode call
+        self.held: list[list[bool]] = []  # which of them the fan-out expected cached
+        self.sinks: list = []  # each call's sink (None: features come back)
+        self.cancelled = 0
+        self.pushes: list = []  # (part, features) of each push
+        self.push_behaviour = None
+
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
+        self.calls.append(list(indices))
+        self.held.append(list(held))
+        self.sinks.append(sink)
+        return FakeCall(self._encode(list(indices), list(items), feature_dtype, sink))
+
+    async def _encode(self, indices, items, feature_dtype, sink=None):
+        try:
+            if self.behaviour is not None:
+                await self.behaviour(self.rank, indices, items)
+            features = [features_of(item) for item in items]
+            # Kept (sglang parts): the arrays themselves stand for the ranks' refs.
+            if isinstance(sink, EcFiles):  # delivered there: what was written, in their place
+                features = [
+                    Written(f.shape, feature_dtype, {u: f.nbytes for u in uuids})
+                    for f, uuids in zip(features, sink.uuids, strict=True)
+                ]
+            return {  # the rank's contract: one array per item, in the call's order
+                "rank": self.rank,
+                "features": features,
+                "dtype": feature_dtype,
+                "encode_ms": 1.0,
+                "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
+                "done_at": 0.0,
+                "load": None,
+            }
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    def push(self, part, stored) -> FakeCall:
+        """Records the part and the features it was given; ``push_behaviour`` runs first."""
+
+        async def push():
+            if self.push_behaviour is not None:
+                await self.push_behaviour(self.rank, part, stored)
+            self.pushes.append((part, list(stored)))
+            return {"rank": self.rank}
+
+        return FakeCall(push())
+
+    def load(self) -> FakeCall:
+        async def report():
+            return {"by_caller": {}, "cost_model": {"a": 0.0, "b": 1.0, "c": 0.0}}
+
+        return FakeCall(report())
