@@ -213,3 +213,18 @@ def sglang_part(req_id: str, refs: list[str], address: str | None = None, **fiel
         "time_stats_json": None,
         **fields,
     }
+
+
+@contextmanager
+def served(serve_url: str, name: str, args: AppArgs) -> Iterator[str]:
+    """The app of ``args`` running under ``name`` (its route prefix too), deleted after:
+    yields its base URL."""
+    from ray import serve
+
+    from deployments.app import bind_app
+
+    serve.run(bind_app(args), name=name, route_prefix=f"/{name}")
+    try:
+        yield f"{serve_url}/{name}"
+    finally:
+        serve.delete(name)

@@ -24,11 +24,9 @@ import ray
 import requests
 import zmq
 from load import pool
-from ray import serve
 from safetensors.torch import load_file
-from serve_helpers import app_args, b64, data_url, read_part, replica_actor, sglang_part
+from serve_helpers import app_args, b64, data_url, read_part, replica_actor, served, sglang_part
 
-from deployments.app import bind_app
 from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY
 
 pytestmark = pytest.mark.chaos
@@ -51,9 +49,8 @@ def url(serve_url, ec_root):
         dispatch={"cost_model": "patches", "cooldown_s": 1.0},
         handoff={"ec_root": str(ec_root)},
     )
-    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
-    yield f"{serve_url}/{APP}"
-    serve.delete(APP)
+    with served(serve_url, APP, args) as url:
+        yield url
 
 
 class Watcher(threading.Thread):

@@ -27,7 +27,6 @@ import requests
 import torch
 import zmq
 from images import image_bytes
-from ray import serve
 from safetensors.torch import load_file
 from serve_helpers import (
     IMAGE_SPECS,
@@ -37,10 +36,10 @@ from serve_helpers import (
     decode_features,
     rank_calls,
     read_part,
+    served,
 )
 from serve_helpers import sglang_part as part
 
-from deployments.app import bind_app
 from kimi_encoder.items import MSG_IMAGE_ONLY
 
 pytestmark = pytest.mark.serve
@@ -70,9 +69,8 @@ def url(serve_url, ec_root):
         ingress={"replicas": 2},
         handoff={"ec_root": str(ec_root), "wait_s": 30},
     )
-    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
-    yield f"{serve_url}/{APP}"
-    serve.delete(APP)
+    with served(serve_url, APP, args) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -82,18 +80,16 @@ def bf16_url(serve_url):
     args = app_args(
         REFERENCE_PATH, dp_size=1, model={"dtype": "bfloat16"}, handoff={"image_urls": urls}
     )
-    serve.run(bind_app(args), name=BF16_APP, route_prefix=f"/{BF16_APP}")
-    yield f"{serve_url}/{BF16_APP}"
-    serve.delete(BF16_APP)
+    with served(serve_url, BF16_APP, args) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
 def closed_url(serve_url):
     """dp 1 whose receive networks leave loopback out: every receive address here is refused."""
     args = app_args(REFERENCE_PATH, dp_size=1, handoff={"receive_networks": ["10.0.0.0/8"]})
-    serve.run(bind_app(args), name=CLOSED_APP, route_prefix=f"/{CLOSED_APP}")
-    yield f"{serve_url}/{CLOSED_APP}"
-    serve.delete(CLOSED_APP)
+    with served(serve_url, CLOSED_APP, args) as url:
+        yield url
 
 
 @pytest.fixture

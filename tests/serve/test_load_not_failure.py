@@ -19,11 +19,9 @@ import pytest
 import requests
 import torch
 from PIL import Image
-from ray import serve
 from safetensors.torch import load as load_safetensors
-from serve_helpers import app_args, b64
+from serve_helpers import app_args, b64, served
 
-from deployments.app import bind_app
 from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
@@ -64,9 +62,8 @@ def url(serve_url, wide_checkpoint):
             "limits": {"max_request_bytes": 16 << 20, "max_patches_per_request": IMAGES * 1024}
         },
     )
-    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
-    yield f"{serve_url}/{APP}"
-    serve.delete(APP)
+    with served(serve_url, APP, args) as url:
+        yield url
 
 
 def post(session: requests.Session, url: str, body: dict) -> dict[str, torch.Tensor]:
