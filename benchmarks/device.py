@@ -1,8 +1,9 @@
-"""What the device scripts share: the machine's versions, the tower on a device, timing.
+"""What the device scripts share: the machine's versions, their options and the run of
+their sections, the tower on a device, timing.
 
 gpu_check.py and gpu_served.py run on the GPU machine from a plain checkout (no
 install); ``--cpu-smoke`` runs them on CPU. This module imports only torch, numpy,
-Pillow and ``kimi_encoder``.
+Pillow, ``kimi_encoder`` and ``benchmarks.common``.
 
 Float32 settings are reported as torch's ``fp32_precision`` values, never through
 the legacy ``allow_tf32`` flags: reading those after the library set the new ones
@@ -11,13 +12,17 @@ the legacy ``allow_tf32`` flags: reading those after the library set the new one
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import gc
 import math
 import os
 import platform
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 import PIL
@@ -27,7 +32,11 @@ from kimi_encoder import model as model_lib
 from kimi_encoder.config import VisionConfig
 from kimi_encoder.model import KimiVisionModel
 
+from .common import Report, Section, say
+
 Grid = tuple[int, int, int]
+P = TypeVar("P")  # a script's plan
+C = TypeVar("C")  # what a script's sections are given
 
 
 H200_DATASHEET_TFLOPS = 989.0  # dense bf16
@@ -120,6 +129,54 @@ def versions_line(v: dict) -> str:
 
 def pillow_is_13() -> bool:
     return PIL.__version__.split(".")[0] == "13"
+
+
+# --- a script's run -------------------------------------------------------------------
+
+
+def script_arguments(doc: str, sections: Mapping, budget_s: float) -> argparse.ArgumentParser:
+    """The options every device script takes: its output folder, its budget, --cpu-smoke and
+    which of ``sections`` to run (all by default)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for the reports")
+    parser.add_argument("--budget-s", type=float, default=budget_s, help="whole run, seconds")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU (CI)")
+    parser.add_argument("--sections", nargs="*", choices=list(sections), default=list(sections))
+    return parser
+
+
+def start_run(
+    parser: argparse.ArgumentParser, argv: list[str] | None, full: P, smoke: P
+) -> tuple[argparse.Namespace, P, dict]:
+    """Parse ``argv``, print the versions line and refuse a GPU run without CUDA: the
+    arguments, the plan (``smoke`` with --cpu-smoke, else ``full``) and the report's first
+    data (versions, mode, preset)."""
+    args = parser.parse_args(argv)
+    info = versions()
+    say(versions_line(info))
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device here; run with --cpu-smoke for the CPU variant")
+    plan = smoke if args.cpu_smoke else full
+    mode = "cpu-smoke" if args.cpu_smoke else "gpu"
+    return args, plan, {"versions": info, "mode": mode, "preset": plan.preset}
+
+
+def run_sections(
+    report: Report,
+    sections: Mapping[str, tuple[Callable[[Section, C], None], float]],
+    names: Sequence[str],
+    ctx: C,
+    deadlines: Mapping[str, float],
+) -> None:
+    """Each of ``names`` in turn under its deadline (``Report.run``), given ``ctx``;
+    ``sections`` maps a name to its function and the least seconds worth starting it.
+    What a section left on the device is freed before the next."""
+    for name in names:
+        fn, min_s = sections[name]
+        report.run(name, lambda sec, fn=fn: fn(sec, ctx), deadlines[name], min_s)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 # --- the tower on a device ------------------------------------------------------------

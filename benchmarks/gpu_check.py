@@ -37,7 +37,6 @@ import, the Ray site carried with the tree is unpacked first (``served.carried_s
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import os
 import re
@@ -52,12 +51,14 @@ from pathlib import Path
 import PIL
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if not __package__:  # run as a script: import from this checkout, not this folder's modules
-    sys.path[0] = str(ROOT)
+if __name__ == "__main__" and not __package__:  # run as a script: see benchmarks/checkout.py
+    from checkout import import_from_checkout
 
-from benchmarks.common import Report, Section, say  # noqa: E402
-from benchmarks.device import (  # noqa: E402
+    import_from_checkout()
+
+from benchmarks.checkout import ROOT, pythonpath
+from benchmarks.common import Report, Section, say
+from benchmarks.device import (
     FLOP_FORMULA,
     Grid,
     device_random_model,
@@ -67,18 +68,20 @@ from benchmarks.device import (  # noqa: E402
     measure,
     pillow_is_13,
     preflight_varlen,
+    run_sections,
+    script_arguments,
     seeded_pixels,
+    start_run,
     synchronize,
     time_mix,
-    versions,
     versions_line,
 )
-from benchmarks.inprocess import batcher_section  # noqa: E402
-from benchmarks.inputs import encoded, photo  # noqa: E402
-from kimi_encoder import model as model_lib  # noqa: E402
-from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset  # noqa: E402
-from kimi_encoder.items import plan_image  # noqa: E402
-from kimi_encoder.preprocess import preprocess  # noqa: E402
+from benchmarks.inprocess import batcher_section
+from benchmarks.inputs import encoded, photo
+from kimi_encoder import model as model_lib
+from kimi_encoder.config import PreprocessConfig, VisionConfig, get_preset
+from kimi_encoder.items import plan_image
+from kimi_encoder.preprocess import preprocess
 
 
 @dataclass(frozen=True)
@@ -191,8 +194,7 @@ class CudaTests:
         command += ["-p", "no:cacheprovider", *files]
         out.mkdir(parents=True, exist_ok=True)
         log = out / "pytest_cuda.txt"
-        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": pythonpath(), "PYTHONUNBUFFERED": "1"}
         with open(log, "w") as sink:
             process = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT
@@ -367,11 +369,7 @@ def intro(data: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the two reports")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="whole run, seconds")
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU (CI)")
-    parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
+    parser = script_arguments(__doc__, SECTIONS, budget_s=420.0)
     parser.add_argument(
         "--decode-threads", type=int, default=2, help="the served rank's decode threads"
     )
@@ -381,15 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="attention kernel of the throughput sections (auto: the model's own choice)",
     )
-    args = parser.parse_args(argv)
-    info = versions()
-    say(versions_line(info))
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device here; run with --cpu-smoke for the CPU variant")
-    plan = SMOKE if args.cpu_smoke else FULL
-    mode = "cpu-smoke" if args.cpu_smoke else "gpu"
-    data = {"versions": info, "mode": mode, "preset": plan.preset, "flop_formula": FLOP_FORMULA}
-    title = f"GPU check ({mode}, preset {plan.preset})"
+    args, plan, data = start_run(parser, argv, FULL, SMOKE)
+    data["flop_formula"] = FLOP_FORMULA
+    title = f"GPU check ({data['mode']}, preset {plan.preset})"
     report = Report(args.out, "gpu_check", title, data, args.budget_s, intro)
     ctx = Context(plan, args.out, decode_threads=args.decode_threads)
     if plan.device == "cuda":
@@ -399,11 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention != "auto":
         ctx.attention = report.data["attention"] = args.attention
     report.write()
-    for name in args.sections:
-        fn, min_s = SECTIONS[name]
-        report.run(name, lambda sec, fn=fn: fn(sec, ctx), plan.deadlines[name], min_s)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    run_sections(report, SECTIONS, args.sections, ctx, plan.deadlines)
     say(f"wrote {args.out / 'gpu_check.json'} and gpu_check.md; exit code {report.exit_code()}")
     return report.exit_code()
 

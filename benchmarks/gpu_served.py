@@ -36,8 +36,6 @@ when a check fails or a section errors.
 
 from __future__ import annotations
 
-import argparse
-import gc
 import shutil
 import statistics
 import subprocess
@@ -50,15 +48,23 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if not __package__:  # run as a script: import from this checkout, not this folder's modules
-    sys.path[0] = str(ROOT)
+if __name__ == "__main__" and not __package__:  # run as a script: see benchmarks/checkout.py
+    from checkout import import_from_checkout
 
-from benchmarks.common import Report, Section, Skip, say  # noqa: E402
-from benchmarks.device import float32_settings, versions, versions_line  # noqa: E402
-from benchmarks.inprocess import batcher_section, tower_only_rate  # noqa: E402
-from benchmarks.inputs import encoded, photo  # noqa: E402
-from benchmarks.served import (  # noqa: E402
+    import_from_checkout()
+
+from benchmarks.checkout import ROOT
+from benchmarks.common import Report, Section, Skip, say
+from benchmarks.device import (
+    float32_settings,
+    run_sections,
+    script_arguments,
+    start_run,
+    versions_line,
+)
+from benchmarks.inprocess import batcher_section, tower_only_rate
+from benchmarks.inputs import encoded, photo
+from benchmarks.served import (
     BUNDLE,
     CONTENT_TYPE,
     Load,
@@ -74,9 +80,9 @@ from benchmarks.served import (  # noqa: E402
     served_config,
     warm,
 )
-from benchmarks.serving import free_port, tmpfs  # noqa: E402
-from kimi_encoder.config import get_preset  # noqa: E402
-from kimi_encoder.encoder import VisionEncoder  # noqa: E402
+from benchmarks.serving import free_port, tmpfs
+from kimi_encoder.config import get_preset
+from kimi_encoder.encoder import VisionEncoder
 
 CONFIG = ROOT / "configs" / "k3-8gpu.yaml"
 BATCH_PATCHES = 65536  # configs/k3-8gpu.yaml's max_batch_patches: the largest batch of a rank
@@ -434,32 +440,16 @@ def inputs(plan: Plan) -> tuple[list[bytes], list[bytes]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for the reports")
-    parser.add_argument("--budget-s", type=float, default=470.0, help="whole run, seconds")
-    parser.add_argument("--cpu-smoke", action="store_true", help="tiny preset on CPU (CI)")
-    parser.add_argument("--sections", nargs="*", choices=list(SECTIONS), default=list(SECTIONS))
-    args = parser.parse_args(argv)
-    info = versions()
-    say(versions_line(info))
-    if not args.cpu_smoke and not torch.cuda.is_available():
-        parser.error("no CUDA device here; run with --cpu-smoke for the CPU variant")
-    plan = SMOKE if args.cpu_smoke else FULL
-    mode = "cpu-smoke" if args.cpu_smoke else "gpu"
-    data = {"versions": info, "mode": mode, "preset": plan.preset, "config": str(CONFIG.name)}
-    title = f"Served on one device ({mode}, preset {plan.preset})"
+    parser = script_arguments(__doc__, SECTIONS, budget_s=470.0)
+    args, plan, data = start_run(parser, argv, FULL, SMOKE)
+    data["config"] = str(CONFIG.name)
+    title = f"Served on one device ({data['mode']}, preset {plan.preset})"
     intro = lambda d: [versions_line(d["versions"]), ""]  # noqa: E731
     report = Report(args.out, "gpu_served", title, data, args.budget_s, intro)
     ctx = Context(plan, args.out, Path(tempfile.mkdtemp(prefix="kimi-served-", dir=tmpfs())))
     ctx.images, ctx.mixed = inputs(plan)
     try:
-        for name in args.sections:
-            fn, min_s = SECTIONS[name]
-            deadline = {**DEADLINES, **plan.deadlines}[name]
-            report.run(name, lambda sec, fn=fn: fn(sec, ctx), deadline, min_s)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        run_sections(report, SECTIONS, args.sections, ctx, {**DEADLINES, **plan.deadlines})
     finally:
         stop_server(ctx)
         shutil.rmtree(ctx.work, ignore_errors=True)

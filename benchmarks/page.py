@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from .checkout import ROOT
 from .common import RERUNS, Section, fmt_load
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ROOT / "docs" / "benchmarks"
 
 

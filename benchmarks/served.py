@@ -35,9 +35,9 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from .checkout import ROOT, pythonpath
 from .serving import Done, Http, get_json, in_window, nested_args
 
-ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / ".device-bundle" / "site.tar.xz"
 SERVE_CLI = "from ray.serve.scripts import cli; cli()"
 
@@ -59,9 +59,7 @@ def carried_site(bundle: Path, into: Path) -> str | None:
         done.touch()
     sys.path.insert(1, str(into))
     importlib.invalidate_caches()
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(ROOT), str(into), os.environ.get("PYTHONPATH")])
-    )
+    os.environ["PYTHONPATH"] = pythonpath(str(into))
     return str(into)
 
 
@@ -112,7 +110,7 @@ class ServeRun:
         self.config, self.folder, self.log = config, folder, log
         self.env = {
             **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": pythonpath(),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_AUTH_MODE": "disabled",
             **(env or {}),

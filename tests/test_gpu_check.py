@@ -56,6 +56,20 @@ def test_cpu_smoke_runs_every_section(smoke):
     assert "| concurrency 4 |" in markdown
 
 
+@pytest.mark.parametrize("name", ["gpu_check", "gpu_served"])
+def test_a_spawned_child_of_the_script_imports_from_the_checkout(name):
+    """multiprocessing's spawn runs the script again in the child, as ``__mp_main__`` and
+    with the parent's ``sys.path`` (the checkout's root first, benchmarks/ gone)."""
+    root = Path(__file__).resolve().parents[1]
+    script = root / "benchmarks" / f"{name}.py"
+    child = (
+        f"import runpy, sys; sys.path[0] = {str(root)!r}; "
+        f"runpy.run_path({str(script)!r}, run_name='__mp_main__')"
+    )
+    done = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, cwd=root)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_flop_formula_matches_torch_flop_counter():
     """Our formula against torch's counter on the tiny tower (math SDPA: counted as bmm)."""
     cfg = get_preset("tiny").vision
