@@ -112,56 +112,59 @@ class Plan:
         return Load(clients, self.warm_s, self.window_s, min(self.processes, clients))
 
 
-FULL = Plan(
-    device="cuda",
-    preset="k3",
-    dtype="bfloat16",
-    side=448,
-    large=(1920, 1080),
-    pool=256,
-    per_request=(1, 8),
-    clients=(8, 32),
-    warm_s=2.0,
-    window_s=6.0,
-    processes=4,
-    timed_s=3.0,
-    # The two apps' ranks share the GPU; 4 logical CPUs per rank (its torch threads) and 1
-    # per ingress replica: 11 of the 16 cores.
-    apps={
-        "rank_actor_options": {"num_gpus": 0.5, "num_cpus": 4},
-        "ingress_actor_options": {"num_cpus": 1},
-    },
-    cache_bytes=(2 << 30, 1 << 30),
-    deadlines={"site": 60, "tower": 60, "batcher": 60, "http, cache off": 170},
-)
+# The two apps' ranks share the GPU; 4 logical CPUs per rank (its torch threads) and 1 per
+# ingress replica: 11 of the 16 cores.
+GPU_APPS = {
+    "rank_actor_options": {"num_gpus": 0.5, "num_cpus": 4},
+    "ingress_actor_options": {"num_cpus": 1},
+}
+CPU_APPS = {
+    "device": "cpu",
+    "dtype": "float32",
+    "preprocess_backend": "cpu",
+    "calibration_grids": [],
+    "rank_actor_options": {"num_gpus": 0, "num_cpus": 0},
+    "ingress_actor_options": {"num_cpus": 0},
+    "ingress_replicas": 1,  # fewer processes to start on a small machine
+}
 
-SMOKE = Plan(
-    device="cpu",
-    preset="tiny",
-    dtype="float32",
-    side=56,
-    large=(320, 180),
-    pool=16,
-    per_request=(1, 8),
-    clients=(2, 4),
-    warm_s=0.3,
-    window_s=0.8,
-    processes=1,
-    timed_s=0.2,
-    apps={
-        "device": "cpu",
-        "dtype": "float32",
-        "preprocess_backend": "cpu",
-        "calibration_grids": [],
-        "rank_actor_options": {"num_gpus": 0, "num_cpus": 0},
-        "ingress_actor_options": {"num_cpus": 0},
-        "ingress_replicas": 1,  # fewer processes to start on a small machine
-    },
-    cache_bytes=(64 << 20, 32 << 20),
-    deadlines={"site": 30, "tower": 30, "batcher": 30, "http, cache off": 150},
-)
-DEADLINES = {"http, every image cached": 70, "sglang parts": 45, "vllm files": 45}
-DEADLINES["http via haproxy"] = 150
+# Each field of the plan: (on the GPU, --cpu-smoke's on CPU).
+_PLANS = {
+    "device": ("cuda", "cpu"),
+    "preset": ("k3", "tiny"),
+    "dtype": ("bfloat16", "float32"),
+    "side": (448, 56),
+    "large": ((1920, 1080), (320, 180)),
+    "pool": (256, 16),
+    "per_request": ((1, 8), (1, 8)),
+    "clients": ((8, 32), (2, 4)),
+    "warm_s": (2.0, 0.3),
+    "window_s": (6.0, 0.8),
+    "processes": (4, 1),
+    "timed_s": (3.0, 0.2),
+    "apps": (GPU_APPS, CPU_APPS),
+    "cache_bytes": ((2 << 30, 1 << 30), (64 << 20, 32 << 20)),
+}
+# Seconds per section; the later sections' are the same in both.
+_DEADLINES = {
+    "site": (60, 30),
+    "tower": (60, 30),
+    "batcher": (60, 30),
+    "http, cache off": (170, 150),
+    "http, every image cached": (70, 70),
+    "sglang parts": (45, 45),
+    "vllm files": (45, 45),
+    "http via haproxy": (150, 150),
+}
+
+
+def _plan(column: int) -> Plan:
+    """One column of the two tables above: 0 the GPU's, 1 --cpu-smoke's."""
+    fields = {name: pair[column] for name, pair in _PLANS.items()}
+    return Plan(**fields, deadlines={name: pair[column] for name, pair in _DEADLINES.items()})
+
+
+FULL, SMOKE = _plan(0), _plan(1)
 
 
 @dataclass
@@ -449,7 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     ctx = Context(plan, args.out, Path(tempfile.mkdtemp(prefix="kimi-served-", dir=tmpfs())))
     ctx.images, ctx.mixed = inputs(plan)
     try:
-        run_sections(report, SECTIONS, args.sections, ctx, {**DEADLINES, **plan.deadlines})
+        run_sections(report, SECTIONS, args.sections, ctx, plan.deadlines)
     finally:
         stop_server(ctx)
         shutil.rmtree(ctx.work, ignore_errors=True)
