@@ -52,19 +52,19 @@ from .feature_bytes import (
     cores_table,
     deploy,
     expected_size,
+    inputs,
     loop_of,
     our_setups,
     per_request_table,
     ratio_text,
     request_body,
     sender,
-    serve_ceilings,
+    serve_ceiling_setups,
     size_text,
 )
-from .inputs import image
 from .page import standalone
 from .paths import PlainServer
-from .serving import Cluster, Http, server_failed, wide_checkpoint
+from .serving import Cluster, Http, server_failed
 
 COMMAND = "python -m benchmarks.bench_bytes"
 
@@ -81,8 +81,7 @@ def measure(s: Settings, root: Path) -> Measured:
     """Two phases, each with only its apps deployed: cache hits (ours and the ceilings,
     which are compared with them), then misses; in each, every cell alternated over
     ``s.repeats`` repeats."""
-    ckpt = str(wide_checkpoint(root / f"tiny-{s.width}", width=s.width))
-    images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
+    ckpt, images = inputs(s, root)
     out = Measured()
     with Cluster() as cluster, PlainServer() as plain:
         client = Http(cluster.port)
@@ -121,13 +120,9 @@ def ceiling_setups(
             out.body_bytes[(dtype, fmt)] = expected_size(f32, fmt, item_bytes, len(images), dtype)
             out.expected.add((dtype, fmt))
         size = out.body_bytes[(dtype, fmt)]
-        body = request_body(images, fmt, dtype)
-        for name, c, path in (
-            (CEILINGS[0], plain, f"/{size}"),
-            *((name, client, path) for name, path in serve_ceilings(size)),
-        ):
-            setups[(name, dtype, fmt)] = loop_of(sender(c, path, body, len(images)), s)
-    return setups
+        send = sender(plain, f"/{size}", request_body(images, fmt, dtype), len(images))
+        setups[(CEILINGS[0], dtype, fmt)] = loop_of(send, s)
+    return setups | serve_ceiling_setups(client, images, s, out)
 
 
 # --- sections -------------------------------------------------------------------------

@@ -19,89 +19,54 @@ import tempfile
 from pathlib import Path
 
 from . import cpu
+from . import feature_bytes as fb
 from .common import Section, alternate, table
-from .feature_bytes import (
-    CEILINGS,
-    DTYPES,
-    FORMATS,
-    HAPROXY,
-    PER_REQUEST,
-    Cell,
-    Measured,
-    Settings,
-    ceiling_ratio_table,
-    cell_text,
-    cores_table,
-    deploy,
-    loop_of,
-    our_setups,
-    per_request_table,
-    ratio_text,
-    request_body,
-    sender,
-    serve_ceilings,
-    size_text,
-)
-from .inputs import image
 from .page import standalone
-from .serving import INGRESSES, Http, Server, server_failed, wide_checkpoint
+from .serving import INGRESSES, Server, server_failed
 
 COMMAND = "python -m benchmarks.bench_bytes_haproxy"
 
 
 # The hit cells of one ingress replica, behind HAProxy.
 BEHIND_HAPROXY = [
-    Cell("hit", dtype, fmt, 1, haproxy=True) for dtype, fmt in itertools.product(DTYPES, FORMATS)
+    fb.Cell("hit", dtype, fmt, 1, haproxy=True)
+    for dtype, fmt in itertools.product(fb.DTYPES, fb.FORMATS)
 ]
 
 
-def measure(s: Settings, root: Path) -> Measured:
+def measure(s: fb.Settings, root: Path) -> fb.Measured:
     """Ours (hits, one ingress replica, every dtype and format) and the Serve ceilings in a
     cluster behind HAProxy, every cell alternated over ``s.repeats`` repeats."""
-    ckpt = str(wide_checkpoint(root / f"tiny-{s.width}", width=s.width))
-    images = [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
-    out = Measured()
-    haproxy = INGRESSES[HAPROXY]
-    with Server(haproxy, deploy, (ckpt, s, BEHIND_HAPROXY), logical_cpus=16) as ha:
-        setups = our_setups(ha.client, images, s, out, BEHIND_HAPROXY)
-        setups |= haproxy_ceiling_setups(ha.client, images, s, out)
+    ckpt, images = fb.inputs(s, root)
+    out = fb.Measured()
+    haproxy = INGRESSES[fb.HAPROXY]
+    with Server(haproxy, fb.deploy, (ckpt, s, BEHIND_HAPROXY), logical_cpus=16) as ha:
+        setups = fb.our_setups(ha.client, images, s, out, BEHIND_HAPROXY)
+        setups |= fb.serve_ceiling_setups(ha.client, images, s, out, front=(fb.HAPROXY,))
         out.windows |= alternate(setups, s.repeats, rerun_if=server_failed)
     return out
 
 
-def haproxy_ceiling_setups(client: Http, images: list[bytes], s: Settings, out: Measured) -> dict:
-    """The Serve ceilings behind HAProxy, keyed (``HAPROXY``, name, dtype, fmt), with the
-    answer sizes of the first phase."""
-    setups = {}
-    for dtype, fmt in itertools.product(DTYPES, FORMATS):
-        body = request_body(images, fmt, dtype)
-        for name, path in serve_ceilings(out.body_bytes[(dtype, fmt)]):
-            setups[(HAPROXY, name, dtype, fmt)] = loop_of(
-                sender(client, path, body, len(images)), s
-            )
-    return setups
-
-
-def sections(quick: bool, s: Settings | None = None) -> list[Section]:
-    s = s or Settings.of(quick)
+def sections(quick: bool, s: fb.Settings | None = None) -> list[Section]:
+    s = s or fb.Settings.of(quick)
     with tempfile.TemporaryDirectory() as tmp:
         m = measure(s, Path(tmp))
     return [haproxy_section(m, s)]
 
 
-def haproxy_section(m: Measured, s: Settings) -> Section:
-    hops = CEILINGS[2:]
+def haproxy_section(m: fb.Measured, s: fb.Settings) -> Section:
+    hops = fb.CEILINGS[2:]
     rows = []
-    for dtype, fmt in itertools.product(DTYPES, FORMATS):
-        ours = Cell("hit", dtype, fmt, 1, haproxy=True)
+    for dtype, fmt in itertools.product(fb.DTYPES, fb.FORMATS):
+        ours = fb.Cell("hit", dtype, fmt, 1, haproxy=True)
         rows.append(
             [
                 f"{dtype} {fmt}",
-                size_text(m, dtype, fmt),
-                cell_text(m, ours, "MB"),
-                cell_text(m, ours, "images"),
-                *(m.mb_per_s((HAPROXY, c, dtype, fmt)).fmt(0) for c in CEILINGS[1:]),
-                *(ratio_text(m, ours, (HAPROXY, hop, dtype, fmt)) for hop in hops),
+                fb.size_text(m, dtype, fmt),
+                fb.cell_text(m, ours, "MB"),
+                fb.cell_text(m, ours, "images"),
+                *(m.mb_per_s((fb.HAPROXY, c, dtype, fmt)).fmt(0) for c in fb.CEILINGS[1:]),
+                *(fb.ratio_text(m, ours, (fb.HAPROXY, hop, dtype, fmt)) for hop in hops),
             ]
         )
     header = [
@@ -109,7 +74,7 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
         "MB",
         "ours: MB/s",
         "images/s",
-        *(f"{c}: MB/s" for c in CEILINGS[1:]),
+        *(f"{c}: MB/s" for c in fb.CEILINGS[1:]),
         *(f"ours / {hop}" for hop in hops),
     ]
     return Section(
@@ -126,20 +91,20 @@ def haproxy_section(m: Measured, s: Settings) -> Section:
             "are in the section above.",
             table(header, rows),
             "The issue's ratios of images/s behind HAProxy, ours next to the ceilings':",
-            ceiling_ratio_table(m, haproxy=True),
+            fb.ceiling_ratio_table(m, haproxy=True),
             "Cores busy by process in ours' safetensors cells (CPU seconds / wall seconds, "
             "median of the repeats):",
             haproxy_cpu_table(m, s),
-            PER_REQUEST.format(proxy="HAProxy"),
-            per_request_table(m, haproxy=True),
+            fb.PER_REQUEST.format(proxy="HAProxy"),
+            fb.per_request_table(m, haproxy=True),
         ],
     )
 
 
-def haproxy_cpu_table(m: Measured, s: Settings) -> str:
+def haproxy_cpu_table(m: fb.Measured, s: fb.Settings) -> str:
     cells = [c for c in BEHIND_HAPROXY if c.fmt == "safetensors"]
     names = [cpu.INGRESS, *(f"rank {r}" for r in range(s.dp)), cpu.HAPROXY, cpu.CLIENT]
-    return cores_table(m, cells, names, lambda c: f"{c.dtype}, {c.fmt}")
+    return fb.cores_table(m, cells, names, lambda c: f"{c.dtype}, {c.fmt}")
 
 
 def main(argv: list[str] | None = None) -> int:

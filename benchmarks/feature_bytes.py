@@ -10,15 +10,28 @@ server. A cell is one of our apps answering one wire dtype in one format
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from . import cpu
 from .common import Spread, line_through, ratio, spread, table
+from .inputs import image
 from .paths import ceiling_apps
-from .serving import Cluster, Http, HttpError, Window, bench_args, bind, closed_loop, json_body
+from .serving import (
+    Cluster,
+    Http,
+    HttpError,
+    Window,
+    bench_args,
+    bind,
+    closed_loop,
+    json_body,
+    wide_checkpoint,
+)
 
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
 FORMATS = ("json", "safetensors")
@@ -59,6 +72,13 @@ class Settings:
 
 
 # --- requests and answers -----------------------------------------------------------
+
+
+def inputs(s: Settings, root: Path) -> tuple[str, list[bytes]]:
+    """The checkpoint the apps serve (the tiny tower, ``s.width`` wide, written under
+    ``root``) and the images of every request."""
+    ckpt = str(wide_checkpoint(root / f"tiny-{s.width}", width=s.width))
+    return ckpt, [image(s.side, s.side, seed=7000 + i) for i in range(s.images_per_request)]
 
 
 def request_body(images: list[bytes], fmt: str, dtype: str) -> bytes:
@@ -215,6 +235,19 @@ def serve_ceilings(size: int) -> list[tuple[str, str]]:
         (CEILINGS[2], f"/hop?n={size}"),
         (CEILINGS[3], f"/hop?n={size}&hops=2"),
     ]
+
+
+def serve_ceiling_setups(
+    client: Http, images: list[bytes], s: Settings, out: Measured, front: tuple = ()
+) -> dict:
+    """A closed loop per Serve ceiling, dtype and format, answering bodies of the sizes
+    ours answered (``out.body_bytes``), keyed (*``front``, name, dtype, fmt)."""
+    setups = {}
+    for dtype, fmt in itertools.product(DTYPES, FORMATS):
+        body = request_body(images, fmt, dtype)
+        for name, path in serve_ceilings(out.body_bytes[(dtype, fmt)]):
+            setups[(*front, name, dtype, fmt)] = loop_of(sender(client, path, body, len(images)), s)
+    return setups
 
 
 def loop_of(send, s: Settings) -> Callable[[], Window]:

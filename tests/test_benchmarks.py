@@ -435,6 +435,32 @@ def test_haproxy_section_puts_ours_next_to_the_ceilings_behind_haproxy():
     assert "| ingress | 0.90 (0.90–0.90) | 0.90 (0.90–0.90) |" in section
 
 
+def test_serve_ceilings_answer_the_sizes_ours_answered_in_either_phase():
+    """One loop per Serve ceiling, dtype and format, asking for the answer size ours had;
+    behind HAProxy the same loops, keyed under ``HAPROXY``."""
+
+    class Asked(Exception):
+        pass
+
+    class Client:  # stops a loop at its first request, saying what it asked for
+        def post(self, path, body, content_type):
+            raise Asked(path)
+
+    s = feature_bytes.Settings(clients=1)
+    m = feature_bytes.Measured()
+    pairs = list(itertools.product(feature_bytes.DTYPES, feature_bytes.FORMATS))
+    m.body_bytes = {pair: 1000 + i for i, pair in enumerate(pairs)}
+    proxy = feature_bytes.serve_ceiling_setups(Client(), [b"jpeg"], s, m)
+    behind = feature_bytes.serve_ceiling_setups(Client(), [b"jpeg"], s, m, front=("HAProxy",))
+    keys = {(name, *pair) for name in feature_bytes.CEILINGS[1:] for pair in pairs}
+    assert set(proxy) == keys
+    assert set(behind) == {("HAProxy", *key) for key in keys}
+    last = (feature_bytes.CEILINGS[3], *pairs[-1])
+    for loop in (proxy[last], behind[("HAProxy", *last)]):
+        with pytest.raises(Asked, match=r"^/hop\?n=1003&hops=2$"):
+            loop()
+
+
 def test_plain_ceiling_answers_the_asked_size_in_a_closed_loop():
     """The harness end to end on loopback: stdlib server, lean clients, the window."""
     with paths.PlainServer() as plain:
