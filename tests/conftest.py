@@ -6,6 +6,8 @@ and deleted when the module ends, so idle replicas do not pile up over the sessi
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -121,3 +123,21 @@ def deploy(serve_url: str) -> Callable[..., str]:
         return _APPS[name]
 
     return _deploy
+
+
+@pytest.fixture(scope="session")
+def cpu_smoke(tmp_path_factory) -> Callable[..., tuple[subprocess.CompletedProcess, Path]]:
+    """``cpu_smoke(name, timeout, **env)`` runs ``benchmarks/{name}.py --cpu-smoke`` as CI
+    does: as a script from the repository root (``env`` on top of this environment), its
+    reports written to a folder of its own. The finished process and that folder."""
+
+    def _run(name: str, timeout: float, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+        out = tmp_path_factory.mktemp(name)
+        script = TESTS.parent / "benchmarks" / f"{name}.py"
+        command = [sys.executable, str(script), "--cpu-smoke", "--out", str(out)]
+        done = subprocess.run(
+            command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **env}
+        )
+        return done, out
+
+    return _run

@@ -18,16 +18,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks import common, device, gpu_check
 from kimi_encoder.config import get_preset
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check")
-    script = ROOT / "benchmarks" / "gpu_check.py"
-    command = [sys.executable, str(script), "--cpu-smoke", "--out", str(out)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    return done, out
+def smoke(cpu_smoke):
+    return cpu_smoke("gpu_check", timeout=300)
 
 
 def test_cpu_smoke_runs_every_section(smoke):

@@ -5,25 +5,16 @@ reports; and the pure parts of benchmarks/served.py."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from benchmarks import gpu_served, served
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_served")
-    script = ROOT / "benchmarks" / "gpu_served.py"
-    command = [sys.executable, str(script), "--cpu-smoke", "--out", str(out)]
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
+def smoke(cpu_smoke):
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    done, out = cpu_smoke("gpu_served", timeout=900, **env)
     return done, out, json.loads((out / "gpu_served.json").read_text())
 
 
