@@ -54,6 +54,12 @@ def images() -> list[bytes]:
     return [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS]
 
 
+@pytest.fixture(scope="module")
+def ec_root(tmp_path_factory) -> Path:
+    """A module's vLLM encoder-cache directory (the consumer's shared_storage_path)."""
+    return tmp_path_factory.mktemp("ec")
+
+
 @pytest.fixture(scope="session")
 def reference() -> VisionEncoder:
     """The in-process encoder the ranks must reproduce (same preset, seed and backend)."""

@@ -37,11 +37,6 @@ ANSWERS = 12  # before the kill, and again after it
 
 
 @pytest.fixture(scope="module")
-def ec_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ec")
-
-
-@pytest.fixture(scope="module")
 def url(serve_url, ec_root):
     args = app_args(
         dp_size=2,

@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,11 +52,6 @@ REFERENCE_PATH = {
 # Mixed sizes and modes: RGB, the big one (resized to the tiny preset's budget), RGBA, palette.
 IMAGES = [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS[:4]]
 RECEIVE_S = 60  # a pushed part reaches its socket within this (it was sent before the answer)
-
-
-@pytest.fixture(scope="module")
-def ec_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("ec")
 
 
 @pytest.fixture(scope="module")
