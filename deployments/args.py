@@ -379,16 +379,18 @@ class DispatchArgs(BaseModel):
         0.3,
         gt=0,
         description="How long an encode call may wait for Serve to route it to a replica of "
-        "its rank before the rank counts as slow (dead, restarting, full or starved) and the "
-        "call's images go to the other ranks too, while it goes on routing; also the longest a "
-        "load poll waits to be routed.",
+        "its rank, when the rank has shown no progress for slow_after_s, before the rank "
+        "counts as slow (dead, restarting or starved) and the call's images go to the other "
+        "ranks too, while it goes on routing; also the longest a load poll waits to be routed.",
     )
     slow_after_s: float = Field(
         1.0,
         gt=0,
         description="A rank call with no answer after max(this, slow_factor x the time the "
-        "fitted cost model expects) makes the rank slow: no new work, and the call's images are "
-        "sent to the other ranks too (first answer wins).",
+        "fitted cost model expects), counted from the rank's last progress (an answer, or a "
+        "load report of more calls answered), makes the rank slow: no new work, and the "
+        "call's images are sent to the other ranks too (first answer wins). A rank that keeps "
+        "answering is busy, not slow.",
     )
     slow_factor: float = Field(
         3.0, ge=1, description="Slack over the expected time before a call counts as late."
@@ -413,7 +415,8 @@ class HandoffArgs(BaseModel):
     ec_root: str | None = Field(
         None,
         description="Absolute directory of vLLM's encoder cache (the consumer's "
-        "ECExampleConnector shared_storage_path, on storage it shares with the ingress); "
+        "ECExampleConnector shared_storage_path, on storage it shares with the ingress and "
+        "the ranks, which write the files); "
         "/v1/encode writes there when a request asks for output kind 'vllm_ec'. None: "
         "that output is refused.",
     )
