@@ -17,6 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kimi_encoder.features import SAFETENSORS, STORAGE
+
 from . import cpu
 from .common import Spread, line_through, ratio, spread, table
 from .inputs import image
@@ -33,7 +35,7 @@ from .serving import (
     wide_checkpoint,
 )
 
-DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2)}
+DTYPES = ("float32", "bfloat16")  # the wire dtypes compared (float16 is bfloat16's size)
 FORMATS = ("json", "safetensors")
 CACHE = ("hit", "miss")
 INGRESS = (1, 2)
@@ -94,7 +96,7 @@ class NotSupported(Exception):
 
 def check_answer(data: bytes, fmt: str, dtype: str, count: int) -> None:
     """Raise ``NotSupported`` unless the answer has ``count`` items of ``dtype``."""
-    code, _ = DTYPES[dtype]
+    code = SAFETENSORS[dtype]
     if fmt == "safetensors":
         (size,) = struct.unpack("<Q", data[:8])
         header = json.loads(data[8 : 8 + size])
@@ -174,7 +176,7 @@ def expected_size(f32_size: int, fmt: str, item_bytes: int, items: int, dtype: s
     """Body size with ``dtype`` features, from the float32 body's (``items`` arrays of
     ``item_bytes`` float32 bytes each): the payload shrinks with the element size, in JSON
     as base64 (the envelope's dtype names are taken as the same length)."""
-    _, element = DTYPES[dtype]
+    element = STORAGE[dtype].itemsize
     smaller = item_bytes * element // 4
     if fmt == "json":
         return f32_size - items * (_b64_len(item_bytes) - _b64_len(smaller))
