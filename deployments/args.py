@@ -36,10 +36,14 @@ GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456"
 TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
 
 
-class ActorOptions(BaseModel):
-    """Resources of each replica of a deployment (Ray actor options)."""
+class Section(BaseModel):
+    """A part of the config: a key it does not define is refused, naming it."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class ActorOptions(Section):
+    """Resources of each replica of a deployment (Ray actor options)."""
 
     num_gpus: float = Field(0, ge=0, description="GPUs per replica: 1 per rank on a GPU node.")
     # 0 so that the ingress and two ranks fit a 2-core machine; torch still gets one thread.
@@ -57,11 +61,9 @@ class ActorOptions(BaseModel):
         return {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
 
 
-class ServeOptions(BaseModel):
+class ServeOptions(Section):
     """Serve deployment options that ``build_app`` gives a deployment (every rank, or the
     ingress). A config's ``deployments:`` entry may still override one deployment."""
-
-    model_config = ConfigDict(extra="forbid")
 
     max_ongoing_requests: int = Field(ge=1, description="Calls one replica runs at once.")
     max_queued_requests: int = Field(
@@ -88,12 +90,10 @@ class ServeOptions(BaseModel):
         return value
 
 
-class ImageUrlOptions(BaseModel):
+class ImageUrlOptions(Section):
     """How the engine hand-off reads an http(s) image URL that a prefill forwards (sglang's
     ``mm_items``). Data URLs and base64 are always decoded locally; ``file://``, local
     paths and other schemes are always refused."""
-
-    model_config = ConfigDict(extra="forbid")
 
     # Off by default: fetching a client's URL makes the server a client of anyone.
     allow_http: bool = Field(
@@ -111,11 +111,9 @@ class ImageUrlOptions(BaseModel):
         return FetchPolicy(**self.model_dump())
 
 
-class ModelArgs(BaseModel):
+class ModelArgs(Section):
     """The checkpoint and how the ranks compute: read by every rank (its encoder) and by
     the ingress (the checkpoint's configs, the defaults of a request)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     checkpoint: str = Field(
         "tiny",
@@ -162,10 +160,10 @@ class ModelArgs(BaseModel):
         )
 
 
-class BatchingArgs(BaseModel):
+class BatchingArgs(Section):
     """How a rank batches the images of concurrent calls (``RankBatcher``)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     max_batch_patches: int = Field(
         16384,
@@ -186,10 +184,8 @@ class BatchingArgs(BaseModel):
     )
 
 
-class RankArgs(BaseModel):
+class RankArgs(Section):
     """Every encoder rank: its resources, Serve options, batching, cache and memory."""
-
-    model_config = ConfigDict(extra="forbid")
 
     actor_options: ActorOptions = Field(
         default_factory=ActorOptions, description="Resources of each encoder rank."
@@ -241,10 +237,10 @@ class RankArgs(BaseModel):
         return max(1, int(self.actor_options.num_cpus))
 
 
-class RequestLimits(BaseModel):
+class RequestLimits(Section):
     """What one request may hold; admission refuses more (413)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     max_request_bytes: int = Field(
         64 << 20, ge=1, description="Largest accepted HTTP body in bytes (413 above)."
@@ -260,12 +256,12 @@ class RequestLimits(BaseModel):
     )
 
 
-class BodyPace(BaseModel):
+class BodyPace(Section):
     """How fast a body must arrive: all of it within ``timeout_s``, and after ``grace_s``
     at least ``min_bytes_per_s`` on average (a real client on a slow link passes; one
     that trickles bytes to hold a connection does not)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(frozen=True)
 
     timeout_s: float = Field(
         60.0, gt=0, description="Longest a request body may take to arrive (408 past it)."
@@ -285,10 +281,8 @@ class BodyPace(BaseModel):
         return min(self.timeout_s, max(self.grace_s, received / self.min_bytes_per_s))
 
 
-class IngressArgs(BaseModel):
+class IngressArgs(Section):
     """The HTTP ingress (``EncodeServer``): its replicas, admission and ingress cache."""
-
-    model_config = ConfigDict(extra="forbid")
 
     replicas: int = Field(
         1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
@@ -349,11 +343,9 @@ class IngressArgs(BaseModel):
         return value
 
 
-class DispatchArgs(BaseModel):
+class DispatchArgs(Section):
     """How the ingress sends images to ranks: owner assignment (``Dispatcher``) and what
     it does about a slow or failed rank (``FanOut``, ``RankHealth``)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     cost_model: Literal["fitted", "patches"] = Field(
         "fitted",
@@ -403,10 +395,8 @@ class DispatchArgs(BaseModel):
     )
 
 
-class HandoffArgs(BaseModel):
+class HandoffArgs(Section):
     """The engine hand-off: sglang's /encode parts and vLLM's encoder-cache files."""
-
-    model_config = ConfigDict(extra="forbid")
 
     image_urls: ImageUrlOptions = Field(
         default_factory=ImageUrlOptions,
@@ -521,11 +511,9 @@ def nested(path: str) -> str:
     return f"{head}: {{{nested(rest)}}}" if rest else f"{head}: ..."
 
 
-class AppArgs(BaseModel):
+class AppArgs(Section):
     """Arguments of the encode server, one section per component. Validation errors fail
     the deploy."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: ModelArgs = Field(
         default_factory=ModelArgs,
