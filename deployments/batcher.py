@@ -17,7 +17,8 @@ preprocesses while batch k runs its forward, the event loop keeps answering
 load reports and cache hits, and each image's features leave the device once,
 in the wire dtype, into a buffer of its own (which the cache keeps as is: no
 second copy). A rank passes ``keep``: each image's host features are then handed
-to it on the copy thread, and what it returns (the rank: a handle to the features
+to it on a store thread (after the copy thread, which goes on to the next batch's
+copy), and what it returns (the rank: a handle to the features
 written once into Ray's object store) is what the cache keeps and every call gets,
 so a cache hit moves no feature byte on the rank at all.
 
@@ -158,7 +159,7 @@ class RankBatcher:
         """A feature cache of ``cache_bytes`` (0: none); the cost model fitted over
         ``calibration_grids`` (none: patch counts). ``keep`` (optional) turns an image's
         host features into what is cached and delivered (it must have ``nbytes``); it runs
-        on the copy thread."""
+        on a store thread of its own, after the copy thread."""
         self.encoder = encoder
         self.config = config
         # One forward thread runs every device stage; torch's thread count is per thread
@@ -173,6 +174,9 @@ class RankBatcher:
         )  # fmt: skip
         self.worker_threads = self._executor.submit(torch.get_num_threads).result()
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="copy")
+        # Writes into the object store (``keep``) run on a thread of their own, so the copy
+        # thread is free for the next batch's copy while the store takes this one's bytes.
+        self._storer = ThreadPoolExecutor(1, thread_name_prefix="store") if keep else None
         self._keep = keep
         device = encoder.device
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -356,6 +360,9 @@ class RankBatcher:
     async def _deliver(self, batch: list[_Queued], copy: asyncio.Future) -> None:
         try:
             results = await copy
+            if self._storer is not None:  # batches stay in order: one store thread
+                loop = asyncio.get_running_loop()
+                results = await loop.run_in_executor(self._storer, self._store_stage, results)
         except Exception as exc:  # noqa: BLE001 - the copy failed: every image of the batch
             results = [exc] * len(batch)
         self._finish(batch, results)
@@ -432,13 +439,17 @@ class RankBatcher:
                     if isinstance(r, torch.Tensor):
                         r.record_stream(stream)  # not reused before this copy ends
                 results = [_to_host(r) for r in on_device]
-        copied = time.perf_counter()
-        if self._keep is not None:
-            results = [self._kept(r) for r in results]
         timing.copy_ms = (time.perf_counter() - started) * 1e3
-        self.counters.copy_s += copied - started
-        self.counters.store_s += time.perf_counter() - copied
+        self.counters.copy_s += timing.copy_ms / 1e3
         return results
+
+    def _store_stage(self, results: list) -> list:
+        """Store thread: each image's host features made what is cached and delivered
+        (``keep``: written into the object store), while the copy thread goes on."""
+        started = time.perf_counter()
+        kept = [self._kept(r) for r in results]
+        self.counters.store_s += time.perf_counter() - started
+        return kept
 
     def _kept(self, result: Any) -> Any:
         if not isinstance(result, torch.Tensor):
