@@ -407,6 +407,7 @@ class FanOut:
         self.route_late_s = route_late_s
         self.in_flight = in_flight or (lambda _: nullcontext())
         self.kept = kept
+        self._flying = [0] * len(ranks)  # calls in flight per rank (of every request)
         dispatcher.on_silent = self._silent
         dispatcher.on_report = health.reported
 
@@ -536,9 +537,14 @@ class FanOut:
             )
             flight = _Flight(rank, call, _arrival(call), plan, covers, now, late_after)
             flight.stack.enter_context(self.in_flight({rank: group}))
+            self._flying[rank] += 1
+            flight.stack.callback(self._landed, rank)
             flight.stack.enter_context(self.dispatcher.dispatched(plan, rank))
             flights.append(flight)
         return flights
+
+    def _landed(self, rank: int) -> None:
+        self._flying[rank] -= 1
 
     def _late_at(self, flight: _Flight) -> float:
         """When ``flight`` counts as late, as its rank's progress stands: while no replica
@@ -634,13 +640,16 @@ class FanOut:
 
     def _silent(self, rank: int, error: BaseException) -> None:
         """A rank missed its load report: no new work until it answers. Unavailable if the
-        poll failed (the replica died); slow if it was not routed in time or stayed quiet
-        and the rank has shown no progress for ``slow_after_s`` either (a busy rank's, or
-        a busy ingress's, poll may wait in a queue)."""
+        poll failed (the replica died). Otherwise (not routed in time, or quiet) a poll
+        waits in a busy rank's or a busy ingress's queue as any call does: while this
+        replica has calls in flight on the rank, their own lateness judges it; without,
+        the rank is slow once it has shown no progress for ``slow_after_s`` either."""
         if rank in self.health.down():
             return
         if isinstance(error, RankUnavailableError) and not error.slow:
             self.health.mark_down(error)
+        elif self._flying[rank]:
+            return
         elif self.health.quiet_from(rank, -math.inf) + self.slow_after_s <= self.health.clock():
             self.health.mark_down(
                 RankUnavailableError(

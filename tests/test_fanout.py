@@ -613,6 +613,32 @@ def test_a_missed_report_of_a_rank_that_answers_is_not_silence():
     assert quiet == {1}
 
 
+def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
+    """A poll that waits in a busy queue says nothing while this replica has calls on the
+    rank: their lateness (from the rank's progress) judges it. With none in flight, the
+    same quiet makes the rank slow."""
+
+    async def scenario():
+        clock = Clock()
+        ranks = [FakeRank(0), Held(1)]
+        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
+        fanout.slow_after_s = 1e3  # the call itself is never late here
+        task = asyncio.ensure_future(fanout.run(items(6, seed=160), "float32"))
+        await ranks[1].sent.wait()
+        clock.now += 2e3  # quiet for twice slow_after_s
+        fanout._silent(1, TimeoutError())
+        with_a_call = health.down()
+        ranks[1].go.set()
+        await task
+        clock.now += 2e3
+        fanout._silent(1, TimeoutError())
+        return with_a_call, health.down()
+
+    with_a_call, without = asyncio.run(scenario())
+    assert with_a_call == set()
+    assert without == {1}
+
+
 def test_progress_is_an_answered_count_that_moves_or_an_idle_rank():
     health = RankHealth([FakeRank(0)], cooldown_s=60, clock=(clock := Clock()))
     assert health.quiet_from(0, 5.0) == 5.0  # never heard from
