@@ -24,11 +24,15 @@ serve: $(STAMP)
 
 # The HTTP API, hand-off and bad-input suites run a second time behind Serve's HAProxy
 # ingress (README, "High-throughput ingress"): the variable is read when Serve starts.
+# A replica behind HAProxy stays reachable for Serve's drain period (30 s by default) when
+# it stops, so load balancers can take it out first; every module's apps are deleted
+# when it ends, and here nothing stands in front to deregister from, so 1 s.
+HAPROXY_DRAIN ?= RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1
 HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve/test_bad_inputs.py
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
-	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
+	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(HAPROXY_DRAIN) $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
 
 # The inner loop: every test that starts no Ray cluster (library, admission, fan-out,
 # wire formats, docstring examples); `make test` stays the full suite that CI runs.

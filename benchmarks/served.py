@@ -114,6 +114,9 @@ class ServeRun:
             "PYTHONPATH": pythonpath(),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_AUTH_MODE": "disabled",
+            # Behind HAProxy a stopping ingress replica stays reachable this long (Serve's
+            # default 30 s, for load balancers in front); nothing is in front of ours.
+            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
             **(env or {}),
         }
         self.client = Http(config["http_options"]["port"])
@@ -261,7 +264,9 @@ def load(
     """Closed-loop ``how.clients`` over ``how.processes`` processes for ``warm_s`` then
     ``window_s``; rates over the window, latencies of the requests sent inside it.
     ``marks``: called when the window opens and when it closes (counters, say)."""
-    context = mp.get_context("spawn")
+    # Forked from one server process that imported the script once: a spawned client
+    # would import it (torch and all) again in every window, seconds each.
+    context = mp.get_context("forkserver")
     procs, conns = [], []
     share = [how.clients // how.processes] * how.processes
     share[: how.clients % how.processes] = [n + 1 for n in share[: how.clients % how.processes]]
