@@ -14,6 +14,7 @@ The runtime imports these models; this module imports no runtime code.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any, Literal
 
@@ -40,6 +41,11 @@ class Section(BaseModel):
     """A part of the config: a key it does not define is refused, naming it."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+def part(default: Callable[[], Section], description: str) -> Any:
+    """A component's nested section: built by ``default`` unless the config gives it."""
+    return Field(default_factory=default, description=description)
 
 
 class ActorOptions(Section):
@@ -187,19 +193,14 @@ class BatchingArgs(Section):
 class RankArgs(Section):
     """Every encoder rank: its resources, Serve options, batching, cache and memory."""
 
-    actor_options: ActorOptions = Field(
-        default_factory=ActorOptions, description="Resources of each encoder rank."
-    )
+    actor_options: ActorOptions = part(ActorOptions, "Resources of each encoder rank.")
     # Cross-request batching needs calls in flight, and load reports must get in while a
     # rank is busy: a rank holds many cheap awaiting calls.
-    serve_options: ServeOptions = Field(
-        default_factory=lambda: ServeOptions(max_ongoing_requests=64, max_queued_requests=64),
-        description="Serve options of every rank (queue limits, health checks, shutdown).",
+    serve_options: ServeOptions = part(
+        lambda: ServeOptions(max_ongoing_requests=64, max_queued_requests=64),
+        "Serve options of every rank (queue limits, health checks, shutdown).",
     )
-    batching: BatchingArgs = Field(
-        default_factory=BatchingArgs,
-        description="Cross-request batching: patch budget, wait, decode threads.",
-    )
+    batching: BatchingArgs = part(BatchingArgs, "Cross-request batching: budget, wait, threads.")
     cache_bytes: int = Field(
         256 << 20,
         ge=0,
@@ -288,25 +289,21 @@ class IngressArgs(Section):
         1, ge=1, description="Replicas of the ingress (HTTP, admission, owner assignment)."
     )
     # The ingress parses headers and moves arrays: by default it reserves nothing.
-    actor_options: ActorOptions = Field(
-        default_factory=ActorOptions,
-        description="Resources of each ingress replica (no GPU), e.g. resources {head: 0.01} "
+    actor_options: ActorOptions = part(
+        ActorOptions,
+        "Resources of each ingress replica (no GPU), e.g. resources {head: 0.01} "
         "to keep it on the head node.",
     )
-    serve_options: ServeOptions = Field(
-        # Many: a request waiting for its body or its ranks costs the ingress little, and
-        # bodies are capped by max_concurrent_bodies.
-        default_factory=lambda: ServeOptions(max_ongoing_requests=1024, max_queued_requests=64),
-        description="Serve options of each ingress replica.",
+    # Many: a request waiting for its body or its ranks costs the ingress little, and
+    # bodies are capped by max_concurrent_bodies.
+    serve_options: ServeOptions = part(
+        lambda: ServeOptions(max_ongoing_requests=1024, max_queued_requests=64),
+        "Serve options of each ingress replica.",
     )
-    limits: RequestLimits = Field(
-        default_factory=RequestLimits,
-        description="Most bytes, images, pixels and patches of one request (413 above).",
+    limits: RequestLimits = part(
+        RequestLimits, "Most bytes, images, pixels and patches of one request (413 above)."
     )
-    body_pace: BodyPace = Field(
-        default_factory=BodyPace,
-        description="How fast a request body must arrive (408 when it falls behind).",
-    )
+    body_pace: BodyPace = part(BodyPace, "How fast a body must arrive (408 when it falls behind).")
     max_concurrent_bodies: int = Field(
         256,
         ge=1,
@@ -398,9 +395,9 @@ class DispatchArgs(Section):
 class HandoffArgs(Section):
     """The engine hand-off: sglang's /encode parts and vLLM's encoder-cache files."""
 
-    image_urls: ImageUrlOptions = Field(
-        default_factory=ImageUrlOptions,
-        description="Fetch policy of http(s) image URLs in sglang /encode parts (off by default).",
+    image_urls: ImageUrlOptions = part(
+        ImageUrlOptions,
+        "Fetch policy of http(s) image URLs in sglang /encode parts (off by default).",
     )
     ec_root: str | None = Field(
         None,
@@ -515,32 +512,30 @@ class AppArgs(Section):
     """Arguments of the encode server, one section per component. Validation errors fail
     the deploy."""
 
-    model: ModelArgs = Field(
-        default_factory=ModelArgs,
-        description="The checkpoint, its seed, the ranks' device and dtypes, the default "
+    model: ModelArgs = part(
+        ModelArgs,
+        "The checkpoint, its seed, the ranks' device and dtypes, the default "
         "preprocessing backend.",
     )
-    dp_size: int = Field(
-        1, ge=1, description="Number of encoder ranks (vision data parallelism); one per GPU."
-    )
-    ranks: RankArgs = Field(
-        default_factory=RankArgs,
-        description="Every encoder rank: resources, Serve options, batching, feature cache, "
+    dp_size: int = Field(1, ge=1, description="Encoder ranks (vision data parallelism): 1 per GPU.")
+    ranks: RankArgs = part(
+        RankArgs,
+        "Every encoder rank: resources, Serve options, batching, feature cache, "
         "calibration, memory leases.",
     )
-    ingress: IngressArgs = Field(
-        default_factory=IngressArgs,
-        description="The HTTP ingress: replicas, resources, Serve options, request limits, "
+    ingress: IngressArgs = part(
+        IngressArgs,
+        "The HTTP ingress: replicas, resources, Serve options, request limits, "
         "body pace, timeout, API key, ingress cache.",
     )
-    dispatch: DispatchArgs = Field(
-        default_factory=DispatchArgs,
-        description="Owner assignment and failover at the ingress: cost model, cache "
+    dispatch: DispatchArgs = part(
+        DispatchArgs,
+        "Owner assignment and failover at the ingress: cost model, cache "
         "affinity, load reports, slow and failed ranks.",
     )
-    handoff: HandoffArgs = Field(
-        default_factory=HandoffArgs,
-        description="The engine hand-off: image URLs, vLLM's encoder-cache directory, "
+    handoff: HandoffArgs = part(
+        HandoffArgs,
+        "The engine hand-off: image URLs, vLLM's encoder-cache directory, "
         "sglang's receive addresses.",
     )
     glibc_tunables: str = Field(
