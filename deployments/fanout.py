@@ -32,7 +32,9 @@ count from the later of the call's start and the last time its rank showed
 progress: an encode answer, or a load report (``RankHealth.reported``) saying it
 answered more calls than before or holds no work. A rank that keeps answering is
 busy, not hung, however long its queue (or this ingress's own event loop) makes a
-call wait, so it is never marked down for it and nothing is sent twice. A call is
+call wait, so it is never marked down for it and nothing is sent twice. The ingress
+judges by a ``LoopClock``, which stands still while its own event loop lags: answers
+that arrived during a stall count before any wait does. A call is
 never hedged to its own rank: with no other rank up, the late call keeps its
 images. A hung process (stopped, deadlocked) answers nothing and is routed around
 as before; a forward that hangs while cache hits still answer is the health
@@ -78,6 +80,49 @@ PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
 RECHECK_S = 0.1  # how often a request whose ranks are all down looks for one back
 
 Clock = Callable[[], float]
+
+
+class LoopClock:
+    """Seconds as this process's event loop lived them: ``time.monotonic()`` less the
+    loop's lag, the clock ``RankHealth`` judges lateness by in the ingress.
+
+    A ticker task sleeps ``tick_s`` at a time. When it wakes later than due (the loop
+    busy building answers, or the process off the CPU) the clock stands still from the
+    due time until it runs again. An answer that reached this process while its loop
+    was stalled is then taken before anyone's call counts as late for that stall: a
+    rank is late only for time in which this ingress could have seen it answer. With
+    no running loop (or before the first tick) it is plain monotonic time.
+    """
+
+    def __init__(self, tick_s: float = 0.05, wall: Clock = time.monotonic):
+        self.tick_s = tick_s
+        self.wall = wall
+        self.lag = 0.0  # seconds the ticker woke late, in all
+        self._due: float | None = None  # when the ticker should wake next
+        self._task: asyncio.Task | None = None
+
+    def __call__(self) -> float:
+        self._start()
+        now = self.wall()
+        late = max(0.0, now - self._due) if self._due is not None else 0.0
+        return now - self.lag - late
+
+    def _start(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        if self._task is None or self._task.done() or self._task.get_loop() is not loop:
+            self._due = None  # lag of another loop says nothing about this one
+            self._task = loop.create_task(self._tick())
+
+    async def _tick(self) -> None:
+        self._due = self.wall() + self.tick_s
+        while True:
+            await asyncio.sleep(self.tick_s)
+            woke = self.wall()
+            self.lag += max(0.0, woke - self._due)
+            self._due = woke + self.tick_s
 
 
 class RankUnavailableError(Exception):
@@ -207,7 +252,7 @@ class Gathered:
 @dataclass
 class _RankState:
     down_until: float | None = None  # None: up; else when the next probe may go
-    down_at: float = -math.inf  # when it was last marked down (time.monotonic())
+    down_at: float = -math.inf  # when it was last marked down (the health's clock)
     reason: str = ""
     slow: bool = False  # down for being late or silent, not for failing
     failed: str | None = None  # the replica whose failure marked it down, if known
@@ -408,6 +453,7 @@ class FanOut:
         self.in_flight = in_flight or (lambda _: nullcontext())
         self.kept = kept
         self._flying = [0] * len(ranks)  # calls in flight per rank (of every request)
+        self._missed: list[float | None] = [None] * len(ranks)  # first missed poll
         dispatcher.on_silent = self._silent
         dispatcher.on_report = health.reported
 
@@ -419,7 +465,8 @@ class FanOut:
     ) -> Gathered:
         """Features of every item, in order, or with a ``destination`` what each rank
         delivered there; raises the first non-retryable error."""
-        deadline = self.health.clock() + self.timeout_s
+        # The request's timeout is the client's: wall time, however the loop lags.
+        deadline = time.monotonic() + self.timeout_s
         n = len(items)
         missing: list = [None] * n  # filled by the ranks' answers
         gathered = Gathered(missing, [-1] * n, feature_dtype, destination=destination)
@@ -558,9 +605,12 @@ class FanOut:
         return max(flight.sent, heard) + flight.late_after_s
 
     async def _next(self, flights: list[_Flight], gathered: Gathered, deadline: float) -> None:
-        """Wait for the first call to end or to become late, then act on it."""
+        """Wait for the first call to end or to become late, then act on it.
+        ``deadline``: the request's, in ``time.monotonic()`` (lateness is on the
+        health's clock)."""
         now = self.health.clock()
-        timers = [self._late_at(f) for f in flights if not f.late] + [deadline]
+        timers = [self._late_at(f) for f in flights if not f.late]
+        timers.append(now + deadline - time.monotonic())
         # Every rank excluded, or a late call still unrouted (its rank may fail meanwhile,
         # see ``doomed``): look again soon.
         if self._uncovered(gathered, flights) or any(f.late and not _routed(f) for f in flights):
@@ -590,7 +640,7 @@ class FanOut:
                 continue
             if now >= self._late_at(flight):
                 self._late(flight, now)
-        if now >= deadline and any(f is None for f in gathered.features):
+        if time.monotonic() >= deadline and any(f is None for f in gathered.features):
             raise RequestTimeoutError(self.timeout_s)
 
     def _land(self, flight: _Flight, gathered: Gathered) -> None:
@@ -641,19 +691,29 @@ class FanOut:
     def _silent(self, rank: int, error: BaseException) -> None:
         """A rank missed its load report: no new work until it answers. Unavailable if the
         poll failed (the replica died). Otherwise (not routed in time, or quiet) a poll
-        waits in a busy rank's or a busy ingress's queue as any call does: while this
-        replica has calls in flight on the rank, their own lateness judges it; without,
-        the rank is slow once it has shown no progress for ``slow_after_s`` either."""
+        waits in a busy rank's or a busy ingress's queue as any call does, so one miss
+        says little: while this replica has calls in flight on the rank, their own
+        lateness judges it; without, the rank is slow once its polls have gone on
+        missing for ``slow_after_s`` with no progress from it in between."""
         if rank in self.health.down():
             return
         if isinstance(error, RankUnavailableError) and not error.slow:
             self.health.mark_down(error)
-        elif self._flying[rank]:
             return
-        elif self.health.quiet_from(rank, -math.inf) + self.slow_after_s <= self.health.clock():
+        if self._flying[rank]:
+            return
+        now = self.health.clock()
+        first = self._missed[rank]
+        if first is None or self.health.quiet_from(rank, -math.inf) > first:
+            self._missed[rank] = now  # the first miss since the rank last showed progress
+        elif now - first >= self.slow_after_s:
+            self._missed[rank] = None  # once back up, its next miss is a first one
             self.health.mark_down(
                 RankUnavailableError(
-                    rank, f"no load report ({error!r})", started=self.health.clock(), slow=True
+                    rank,
+                    f"no load report for {now - first:.2f} s ({error!r})",
+                    started=first,
+                    slow=True,
                 )
             )
 

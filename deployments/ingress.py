@@ -26,7 +26,7 @@ from . import errors
 from .admission import Admission, BodySlots
 from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
 from .dispatch import Dispatcher
-from .fanout import FanOut, RankHealth
+from .fanout import FanOut, LoopClock, RankHealth
 from .handles import IngressCache, RankHandle, RegistryHandle
 from .handoff import Handoff
 from .metrics import IngressMetrics
@@ -87,7 +87,7 @@ class EncodeServer:
             dtype=model.dtype,
             cache_enabled=rank_cache,
         )
-        self.health = RankHealth(self.ranks, dispatch.cooldown_s)
+        self.health = RankHealth(self.ranks, dispatch.cooldown_s, clock=LoopClock())
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
         self.metrics = IngressMetrics(len(ranks))
         self.fanout = FanOut(

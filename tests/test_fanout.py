@@ -20,6 +20,7 @@ from deployments.args import DispatchArgs
 from deployments.dispatch import Dispatcher
 from deployments.fanout import (
     FanOut,
+    LoopClock,
     NoRankAvailableError,
     RankHealth,
     RankUnavailableError,
@@ -166,6 +167,52 @@ def test_timeout_cancels_every_call():
     assert [r.cancelled for r in ranks] == [1, 1]
 
 
+def test_timeout_is_the_clients_wall_time_when_the_health_clock_stands_still():
+    """Lateness is judged on the health's clock (the ingress's ``LoopClock``, which stands
+    still while its loop lags); the request's timeout is the client's and is not."""
+    never = asyncio.Event()
+
+    async def hang(rank, indices, items):
+        await never.wait()
+
+    ranks = [FakeRank(0, hang), FakeRank(1, hang)]
+    fanout, health = fan_out(ranks, timeout_s=0.05, clock=lambda: 0.0)
+    with pytest.raises(RequestTimeoutError, match=r"request_timeout_s=0\.05 s"):
+        asyncio.run(fanout.run(items(4, seed=30), "float32"))
+    assert [r.cancelled for r in ranks] == [1, 1]
+    assert health.down() == set()  # no time passed on its clock: nobody was late
+
+
+def test_loop_clock_stands_still_while_the_loop_lags():
+    """Wall time is the test's: the loop "stalls" 3 s (no tick runs), and the clock holds
+    at the tick that was due, across the late tick, then runs on from there."""
+    wall = [100.0]
+    clock = LoopClock(tick_s=0.01, wall=lambda: wall[0])
+    assert clock() == 100.0  # no running loop: plain wall time
+
+    async def scenario() -> list[float]:
+        seen = [clock()]  # starts the ticker
+        await asyncio.sleep(0)  # its first step: the next tick is due at 100.01
+        wall[0] = 100.005
+        seen.append(clock())  # not due yet: runs with the wall
+        wall[0] = 103.0  # three seconds in which the loop ran nothing
+        seen.append(clock())  # stands at the due tick
+        await asyncio.wait_for(_until(lambda: clock.lag > 0), 10)  # the late tick runs
+        seen.append(clock())  # the lag is counted now: still the same
+        wall[0] = 103.004
+        seen.append(clock())  # and it runs on
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen == pytest.approx([100.0, 100.005, 100.01, 100.01, 100.014])
+    assert clock.lag == pytest.approx(2.99)
+
+
+async def _until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 def test_duplicates_are_encoded_once_and_share_their_features():
     ranks = [FakeRank(0), FakeRank(1)]
     fanout, _ = fan_out(ranks)
@@ -283,14 +330,22 @@ def test_a_silent_rank_gets_no_new_work():
             return FakeCall(never.wait())
 
     ranks = [FakeRank(0), Silent(1)]
-    fanout, health = fan_out(ranks)
+    clock = Clock()
+    fanout, health = fan_out(ranks, clock=clock)
 
-    async def scenario():
+    async def miss() -> set[int]:
         await fanout.dispatcher.refresh(ranks)  # waits briefly, the poll goes on
         await fanout.dispatcher._poll  # until rank 1 misses its report deadline
-        return await fanout.run(items(4, seed=80), "float32")
+        return health.down()
 
-    gathered = asyncio.run(scenario())
+    async def scenario():
+        once = await miss()  # one miss may be a busy queue
+        clock.now += fanout.slow_after_s
+        return once, await miss(), await fanout.run(items(4, seed=80), "float32")
+
+    once, twice, gathered = asyncio.run(scenario())
+    assert once == set()
+    assert twice == {1}  # still missing slow_after_s later, with no progress between
     assert health.down() == {1}
     assert set(gathered.owners) == {0}
     assert not ranks[1].calls
@@ -615,8 +670,8 @@ def test_a_missed_report_of_a_rank_that_answers_is_not_silence():
 
 def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
     """A poll that waits in a busy queue says nothing while this replica has calls on the
-    rank: their lateness (from the rank's progress) judges it. With none in flight, the
-    same quiet makes the rank slow."""
+    rank: their lateness (from the rank's progress) judges it. With none in flight,
+    polls that go on missing for slow_after_s make the rank slow."""
 
     async def scenario():
         clock = Clock()
@@ -632,10 +687,14 @@ def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
         await task
         clock.now += 2e3
         fanout._silent(1, TimeoutError())
-        return with_a_call, health.down()
+        one_miss = health.down()
+        clock.now += fanout.slow_after_s
+        fanout._silent(1, TimeoutError())
+        return with_a_call, one_miss, health.down()
 
-    with_a_call, without = asyncio.run(scenario())
+    with_a_call, one_miss, without = asyncio.run(scenario())
     assert with_a_call == set()
+    assert one_miss == set()
     assert without == {1}
 
 

@@ -59,7 +59,10 @@ def url(serve_url, wide_checkpoint):
         model={"checkpoint": str(wide_checkpoint)},
         dp_size=1,
         ingress={
-            "limits": {"max_request_bytes": 16 << 20, "max_patches_per_request": IMAGES * 1024}
+            "limits": {"max_request_bytes": 16 << 20, "max_patches_per_request": IMAGES * 1024},
+            # The saturated proxy forwards bodies late too (docs/api.md, "Slow clients"):
+            # seen 13.7 s for a 0.5 MB body with the machine busy. Not this test's subject.
+            "body_pace": {"timeout_s": 240, "grace_s": 120},
         },
     )
     with served(serve_url, APP, args) as url:
