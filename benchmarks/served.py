@@ -37,7 +37,7 @@ import numpy as np
 from PIL import Image
 
 from .checkout import ROOT, pythonpath
-from .serving import Done, Http, get_json, in_window, nested_args
+from .serving import QUICK_DRAIN, Done, Http, get_json, in_window, nested_args
 
 BUNDLE = ROOT / ".device-bundle" / "site.tar.xz"
 SERVE_CLI = "from ray.serve.scripts import cli; cli()"
@@ -114,9 +114,7 @@ class ServeRun:
             "PYTHONPATH": pythonpath(),
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_AUTH_MODE": "disabled",
-            # Behind HAProxy a stopping ingress replica stays reachable this long (Serve's
-            # default 30 s, for load balancers in front); nothing is in front of ours.
-            "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
+            **QUICK_DRAIN,
             **(env or {}),
         }
         self.client = Http(config["http_options"]["port"])
