@@ -128,22 +128,21 @@ class LoopClock:
 class RankUnavailableError(Exception):
     """A rank call failed for a reason that is not the request's; retry on another rank.
 
-    ``replica`` names the rank's replica the call went to (None if it reached none),
-    ``started`` is the call's ``time.monotonic()`` at its start (None: now)."""
+    ``replica`` names the rank's replica the call went to (None if it reached none). The
+    error carries no time: whoever judges it places it by when the call was sent, on
+    its own clock (``RankHealth.mark_down``)."""
 
     def __init__(
         self,
         rank: int,
         cause: BaseException | str,
         replica: str | None = None,
-        started: float | None = None,
         slow: bool = False,
     ):
         self.rank = rank
         self.cause = cause
         self.replica = replica
         self.slow = slow  # alive but late or silent: any answer brings it back
-        self.started = time.monotonic() if started is None else started
         name = type(cause).__name__ if isinstance(cause, BaseException) else "unavailable"
         first = (str(cause).splitlines() or [""])[0][:200]
         super().__init__(f"rank {rank} unavailable ({name}: {first})")
@@ -313,13 +312,15 @@ class RankHealth:
             return down
         return {r for r in down if not self._state[r].slow}
 
-    def mark_down(self, error: RankUnavailableError) -> None:
+    def mark_down(self, error: RankUnavailableError, started: float) -> None:
+        """``error`` ended a call sent at ``started`` (this health's clock, as every time
+        it compares)."""
         state = self._state[error.rank]
         if (
             error.replica is not None
             and state.replica is not None
             and error.replica != state.replica
-            and state.replica_since > error.started
+            and state.replica_since > started
         ):
             self.ignored += 1  # an old replica's failure: its replacement already answered
             return
@@ -363,7 +364,7 @@ class RankHealth:
         state = self._state[rank]
         if state.down_until is not None and state.slow and state.replica == replica:
             why = f"its replica {replica} is gone"
-            self.mark_down(RankUnavailableError(rank, why, replica, self.clock()))
+            self.mark_down(RankUnavailableError(rank, why, replica), self.clock())
 
     async def _recover(self, rank: int) -> None:
         state = self._state[rank]
@@ -474,11 +475,13 @@ class FanOut:
         if any(f is None for f in gathered.features):
             await self.dispatcher.refresh(self.ranks, skip=self.health.down())
         flights: list[_Flight] = []
+        rounds = 0  # every image is sent in the first; one uncovered later was sent before
         try:
             while any(f is None for f in gathered.features):
                 uncovered = self._uncovered(gathered, flights)
                 if uncovered and len(self.health.excluded()) < len(self.ranks):
-                    flights += self._dispatch(uncovered, items, gathered, again=bool(flights))
+                    flights += self._dispatch(uncovered, items, gathered, again=rounds > 0)
+                    rounds += 1
                 elif uncovered and not flights:
                     raise NoRankAvailableError(self.health.retry_after_s())
                 await self._next(flights, gathered, deadline)
@@ -530,11 +533,11 @@ class FanOut:
         gathered: Gathered,
         again: bool,
     ) -> list[_Flight]:
-        """Calls for every uncovered item (``_uncovered``), counting re-dispatches (``again``
-        or after an answer: sent before) and, of them, hedges."""
+        """Calls for every uncovered item (``_uncovered``), counting re-dispatches (``again``:
+        sent before) and, of them, hedges."""
         flights = []
         for avoid, pending in uncovered.items():
-            if again or gathered.answers:
+            if again:
                 self.health.redispatched += len(pending)
                 gathered.redispatched += len(pending)
                 if avoid is not None:  # hedged: its late call goes on
@@ -647,7 +650,7 @@ class FanOut:
         """A call ended: its features fill what is still missing, or its error counts."""
         error = flight.task.exception()
         if isinstance(error, RankUnavailableError):
-            self.health.mark_down(error)
+            self.health.mark_down(error, flight.sent)
             return
         if error is not None:
             raise error  # an input error or an encoder failure: never retried
@@ -683,9 +686,9 @@ class FanOut:
                 flight.rank,
                 f"{why}, and no progress from the rank meanwhile",
                 replica=getattr(flight.call, "replica", None),
-                started=flight.sent,
                 slow=True,
-            )
+            ),
+            flight.sent,
         )
 
     def _silent(self, rank: int, error: BaseException) -> None:
@@ -698,7 +701,7 @@ class FanOut:
         if rank in self.health.down():
             return
         if isinstance(error, RankUnavailableError) and not error.slow:
-            self.health.mark_down(error)
+            self.health.mark_down(error, self.health.clock())
             return
         if self._flying[rank]:
             return
@@ -712,9 +715,9 @@ class FanOut:
                 RankUnavailableError(
                     rank,
                     f"no load report for {now - first:.2f} s ({error!r})",
-                    started=first,
                     slow=True,
-                )
+                ),
+                first,
             )
 
 

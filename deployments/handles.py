@@ -74,10 +74,9 @@ UNAVAILABLE = (
 
 class RankCall:
     """One call to a rank, running as a task from creation: route, dispatch, await.
-    ``replica`` is the replica that took it (None until routed); ``started`` its
-    ``time.monotonic()`` at creation. With ``route_timeout_s`` a call no replica took
-    in that time fails as a *slow* ``RankUnavailableError``; without, it routes until
-    it is cancelled."""
+    ``replica`` is the replica that took it (None until routed). With ``route_timeout_s``
+    a call no replica took in that time fails as a *slow* ``RankUnavailableError``;
+    without, it routes until it is cancelled."""
 
     def __init__(
         self,
@@ -90,7 +89,6 @@ class RankCall:
     ):
         self.rank = rank
         self.replica: str | None = None
-        self.started = time.monotonic()
         self._refill = refill
         self._task = asyncio.ensure_future(self._run(handle, route_timeout_s, args, kw))
 
@@ -155,9 +153,7 @@ class RankCall:
             await chooser.__aexit__(*exc_info)
 
     def _unavailable(self, cause: BaseException | str, slow: bool = False) -> RankUnavailableError:
-        return RankUnavailableError(
-            self.rank, cause, replica=self.replica, started=self.started, slow=slow
-        )
+        return RankUnavailableError(self.rank, cause, replica=self.replica, slow=slow)
 
 
 # Given the positions of a call's images the rank answered missing: the arguments and

@@ -229,7 +229,7 @@ def test_a_rank_that_answers_its_probe_takes_work_again():
     async def scenario():
         ranks = [FakeRank(0), FakeRank(1)]
         _, health = fan_out(ranks, cooldown_s=0)
-        health.mark_down(RankUnavailableError(1, ConnectionError("replaced")))
+        health.mark_down(RankUnavailableError(1, ConnectionError("replaced")), health.clock())
         assert health.down() == {1}
         await health._probes[1]  # the background probe: cool-down 0, then rank 1's load()
         return health
@@ -293,12 +293,12 @@ def test_health_is_ordered_by_time_and_replica():
     async def scenario():
         health = RankHealth([FakeRank(0)], cooldown_s=60)
         t0 = time.monotonic()
-        health.mark_down(RankUnavailableError(0, "died", replica="A", started=t0))
+        health.mark_down(RankUnavailableError(0, "died", replica="A"), t0)
         health.mark_up(0, "A", started=t0 - 1)  # began before the failure, same replica
         stale = health.down()
         health.mark_up(0, "B", started=t0 - 1)  # its replacement answered
         replaced = health.down()
-        health.mark_down(RankUnavailableError(0, "late error", replica="A", started=t0 - 2))
+        health.mark_down(RankUnavailableError(0, "late error", replica="A"), t0 - 2)
         return stale, replaced, health.down(), health.ignored
 
     stale, replaced, after_old_error, ignored = asyncio.run(scenario())
@@ -313,7 +313,7 @@ def test_slow_ranks_still_take_work_when_no_rank_is_up():
         ranks = [FakeRank(0), FakeRank(1)]
         fanout, health = fan_out(ranks)
         for rank in (0, 1):
-            health.mark_down(RankUnavailableError(rank, "late", slow=True))
+            health.mark_down(RankUnavailableError(rank, "late", slow=True), health.clock())
         request = items(4, seed=70)
         return request, await fanout.run(request, "float32"), health
 
@@ -421,8 +421,10 @@ def test_lateness_does_not_soften_a_failure():
 
     async def scenario():
         health = RankHealth([FakeRank(0)], cooldown_s=60)
-        health.mark_down(RankUnavailableError(0, ConnectionError("actor died")))
-        health.mark_down(RankUnavailableError(0, "no replica took the call", slow=True))
+        health.mark_down(RankUnavailableError(0, ConnectionError("actor died")), health.clock())
+        health.mark_down(
+            RankUnavailableError(0, "no replica took the call", slow=True), health.clock()
+        )
         return health
 
     health = asyncio.run(scenario())
@@ -445,7 +447,9 @@ def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
         while health.down() != {0, 1}:  # both calls late: both ranks down as slow
             await asyncio.sleep(0)
         for rank in (0, 1):
-            health.mark_down(RankUnavailableError(rank, ConnectionError("actor died")))
+            health.mark_down(
+                RankUnavailableError(rank, ConnectionError("actor died")), health.clock()
+            )
         with pytest.raises(NoRankAvailableError) as raised:
             await task
         return ranks, raised.value
@@ -476,7 +480,9 @@ def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
     async def scenario():
         health = RankHealth([Registry(0, gone)], cooldown_s=60)
         health.mark_up(0, "r0", time.monotonic())
-        health.mark_down(RankUnavailableError(0, "no replica took the call", slow=True))
+        health.mark_down(
+            RankUnavailableError(0, "no replica took the call", slow=True), health.clock()
+        )
         await asyncio.wait_for(health._lookups[0], 5)
         return health
 
@@ -742,3 +748,56 @@ def test_a_destination_goes_to_each_call_as_the_entries_of_its_images():
         assert written.dtype == "bfloat16"
     assert gathered.features[0] is gathered.features[2]  # one image, written for both
     assert gathered.destination is to
+
+
+# --- one clock: a failure is placed by when its call was sent, on the health's clock ----
+
+
+class Replaced(FakeRank):
+    """One rank whose first call went to replica A, which dies once ``fail`` is set; every
+    later call is answered by its replacement, replica B (as Serve's client names them)."""
+
+    def __init__(self):
+        super().__init__(0)
+        self.fail, self.first_sent = asyncio.Event(), asyncio.Event()
+
+    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
+        if self.calls:
+            call = super().encode(indices, items, sent_at, caller, feature_dtype, held, sink)
+            call.replica = "B"
+            return call
+        self.calls.append(list(indices))
+
+        async def dies() -> dict:
+            self.first_sent.set()
+            await self.fail.wait()
+            raise RankUnavailableError(0, ConnectionError("actor died"), replica="A")
+
+        call = FakeCall(dies())
+        call.replica = "A"
+        return call
+
+
+def test_an_old_replicas_late_failure_spares_its_replacement_on_a_lagging_clock():
+    """The ingress judges by a loop clock that runs behind ``time.monotonic()`` once its
+    loop has lagged (here 10 s). Replica A takes a call, replica B (its replacement)
+    answers a call sent after it, then A's call fails: an old replica's failure, ignored,
+    and A's images go to B. Compared on two clocks, the failure looked newer than B's
+    answer and marked the rank down: with one rank, a 503 instead of the features."""
+
+    async def scenario():
+        rank = Replaced()
+        fanout, health = fan_out([rank], clock=lambda: time.monotonic() - 10.0)
+        first_request, second_request = items(2, seed=160), items(2, seed=170)
+        first = asyncio.ensure_future(fanout.run(first_request, "float32"))
+        await rank.first_sent.wait()
+        second = await fanout.run(second_request, "float32")  # replica B answers
+        rank.fail.set()
+        return first_request, await first, second_request, second, health
+
+    first_request, first, second_request, second, health = asyncio.run(scenario())
+    assert_in_order(second, second_request)
+    assert_in_order(first, first_request)  # re-dispatched to replica B
+    assert first.redispatched == 2
+    assert health.down() == set()
+    assert health.ignored == 1
