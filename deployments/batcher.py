@@ -58,6 +58,7 @@ from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
 from .args import BatchingArgs
+from .records import LoadReport, Progress
 
 
 class _NotCached:
@@ -289,15 +290,15 @@ class RankBatcher:
         """``run_in_worker`` from outside an event loop (the rank's constructor)."""
         return self._executor.submit(fn, *args).result()
 
-    def load(self) -> dict:
+    def load(self) -> LoadReport:
         """Cheap report: each caller's queued or running work, this rank's cost model, and
         its progress: the calls this process has answered (``instance`` names the process,
         so a replacement's count starting again is not taken for a stall)."""
-        return {
-            "by_caller": {c: w.as_list() for c, w in self._outstanding.by_caller.items()},
-            "cost_model": self.cost_model.as_dict(),
-            "progress": {"instance": self.instance, "answered": self.counters.answered},
-        }
+        return LoadReport(
+            dict(self._outstanding.by_caller),
+            self.cost_model,
+            Progress(self.instance, self.counters.answered),
+        )
 
     def info(self) -> dict:
         total = self._outstanding.total()

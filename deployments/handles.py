@@ -1,5 +1,5 @@
 """The ingress's rank and registry clients: Serve deployment handles behind
-``fanout.RankClient`` and ``handoff.RegistryClient``.
+``roster.RankClient`` and ``handoff.RegistryClient``.
 
 The one place that knows Ray's exceptions and Serve's routing. A call first asks
 Serve's router for a replica of the rank (``choose_replica``). A dead rank's
@@ -53,7 +53,8 @@ from kimi_encoder.cache import FeatureCache
 from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
-from .fanout import RankUnavailableError
+from .records import RankReply
+from .roster import RankUnavailableError
 from .sinks import EcFiles, Kept, PartPush
 
 log = logging.getLogger("ray.serve")
@@ -105,7 +106,7 @@ class RankCall:
 
     async def _run(self, handle: DeploymentHandle, timeout_s: float | None, args, kwargs) -> Any:
         result = await self._once(handle, timeout_s, args, kwargs)
-        missing = result.get("missing") if isinstance(result, dict) else None
+        missing = result.missing if isinstance(result, RankReply) else None
         if not missing:
             return result
         # Sent by digest, evicted since (or the rank was replaced): once more, with bytes.
@@ -161,16 +162,16 @@ class RankCall:
 Refill = Callable[[list[int]], tuple[tuple, dict]]
 
 
-def _refilled(first: dict, missing: list[int], again: dict) -> dict:
+def _refilled(first: RankReply, missing: list[int], again: RankReply) -> RankReply:
     """``first``'s answer with its missing images' features taken from ``again``."""
-    assert not again.get("missing"), f"images sent with their bytes came back missing: {again}"
-    features = list(first["features"])
-    refs = list(first.get("refs") or [None] * len(features))
-    again_refs = again.get("refs") or [None] * len(again["features"])
-    for position, array, ref in zip(missing, again["features"], again_refs, strict=True):
+    assert not again.missing, f"images sent with their bytes came back missing: {again}"
+    features = list(first.features)
+    refs = list(first.refs or [None] * len(features))
+    again_refs = again.refs or [None] * len(again.features)
+    for position, array, ref in zip(missing, again.features, again_refs, strict=True):
         features[position], refs[position] = array, ref
-    encode_ms = first["encode_ms"] + again["encode_ms"]
-    return {**again, "features": features, "refs": refs, "missing": [], "encode_ms": encode_ms}
+    encode_ms = first.encode_ms + again.encode_ms
+    return again.replace(features=features, refs=refs, missing=[], encode_ms=encode_ms)
 
 
 async def _read_stored(result: Any) -> Any:
@@ -178,14 +179,13 @@ async def _read_stored(result: Any) -> Any:
     refs to features it wrote into the object store once (``rank.StoredFeatures``);
     each becomes the read-only array the object store holds (no copy). The refs stay in
     the answer's ``refs`` (None for an array sent as it is), for ``IngressCache``."""
-    if not isinstance(result, dict):
+    if not isinstance(result, RankReply):
         return result
-    features = result.get("features")
-    if not any(isinstance(f, ray.ObjectRef) for f in features or ()):
+    if not any(isinstance(f, ray.ObjectRef) for f in result.features):
         return result
-    arrays = await asyncio.gather(*(_read(f) for f in features))
-    refs = [f if isinstance(f, ray.ObjectRef) else None for f in features]
-    return {**result, "features": list(arrays), "refs": refs}
+    arrays = await asyncio.gather(*(_read(f) for f in result.features))
+    refs = [f if isinstance(f, ray.ObjectRef) else None for f in result.features]
+    return result.replace(features=list(arrays), refs=refs)
 
 
 async def _read(feature: Any) -> Any:
@@ -236,7 +236,7 @@ class IngressCache:
 
 
 class RankHandle:
-    """Rank ``rank`` as the fan-out sees it (``fanout.RankClient``). Encode and info
+    """Rank ``rank`` as the ingress sees it (``roster.RankClient``). Encode and info
     calls route until cancelled (the fan-out hedges an unrouted encode call; the info
     page bounds its wait); a load poll gives up routing after ``route_timeout_s``."""
 
@@ -282,6 +282,11 @@ class RankHandle:
 
     def load(self) -> RankCall:
         return self._call("load", self.route_timeout_s)
+
+    def wake(self) -> RankCall:
+        """A load call that routes until a replica takes it: Serve starts a replica of a
+        rank scaled to zero for a call waiting at its handle."""
+        return self._call("load", None)
 
     def info(self) -> RankCall:
         return self._call("info", None)

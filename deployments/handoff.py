@@ -212,8 +212,8 @@ class Handoff:
     async def check_health(self) -> None:
         """``GET /health``: returns while a rank answers its load report within
         ``HEALTH_TIMEOUT_S``; raises ``NoRankAvailableError`` (503) otherwise."""
-        down = self.fanout.health.down()
-        calls = [rank.load() for r, rank in enumerate(self.fanout.ranks) if r not in down]
+        roster = self.fanout.roster
+        calls = [roster.ranks[r].load() for r in sorted(roster.up())]
         tasks = [asyncio.ensure_future(_await(call)) for call in calls]
         try:
             for arrival in asyncio.as_completed(tasks, timeout=HEALTH_TIMEOUT_S):
@@ -229,7 +229,7 @@ class Handoff:
                 if not task.done():
                     task.cancel()
                     call.cancel()
-        raise NoRankAvailableError(self.fanout.health.retry_after_s())
+        raise NoRankAvailableError(roster.retry_after_s())
 
     def ec_destination(self, admitted: Admitted) -> EcDestination:
         """Output kind ``vllm_ec``: where each item's encoder-cache entry goes. The rank
@@ -320,7 +320,7 @@ class Handoff:
             one_off=req.receive_address is not None,
             send_timeout_s=self.config.send_timeout_s,
         )
-        rank = pusher_rank(gathered, self.fanout.health.down())
+        rank = pusher_rank(gathered, self.fanout.roster.down())
         call = self.fanout.ranks[rank].push(part, gathered.features)
         try:
             await call

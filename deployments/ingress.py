@@ -26,10 +26,11 @@ from . import errors
 from .admission import Admission, BodySlots
 from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
 from .dispatch import Dispatcher
-from .fanout import FanOut, LoopClock, RankHealth
+from .fanout import FanOut
 from .handles import IngressCache, RankHandle, RegistryHandle
 from .handoff import Handoff
 from .metrics import IngressMetrics
+from .roster import LoopClock, Roster
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
 from .wire import json_response, safetensors_response
@@ -79,26 +80,22 @@ class EncodeServer:
         self.bodies = BodySlots(ingress.max_concurrent_bodies)
         self.api_key = ApiKey.load(ingress.api_key_file)
         timeout = dispatch.route_timeout_s
-        self.ranks = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
+        clients = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
+        self.roster = Roster(clients, dispatch, clock=LoopClock())
         self.dispatcher = Dispatcher(
-            len(ranks),
+            self.roster,
             dispatch,
             model_name=self.model_name,
             dtype=model.dtype,
             cache_enabled=rank_cache,
         )
-        self.health = RankHealth(self.ranks, dispatch.cooldown_s, clock=LoopClock())
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
         self.metrics = IngressMetrics(len(ranks))
         self.fanout = FanOut(
-            self.ranks,
+            self.roster,
             self.dispatcher,
-            self.health,
             vision=vision,
             timeout_s=ingress.request_timeout_s,
-            slow_after_s=dispatch.slow_after_s,
-            slow_factor=dispatch.slow_factor,
-            route_late_s=timeout,
             in_flight=self.metrics.dispatched,
             kept=self.kept,
         )
@@ -136,7 +133,7 @@ class EncodeServer:
     @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
     async def info(self, request: Request) -> Any:
         self.api_key.check(request)
-        ranks = await asyncio.gather(*(self._rank_info(r) for r in self.ranks))
+        ranks = await asyncio.gather(*(self._rank_info(r) for r in self.roster.ranks))
         return {
             "model": self.model_name,
             **self.vision.summary(),
@@ -144,9 +141,9 @@ class EncodeServer:
             "feature_dtype": self.model.feature_dtype,
             "device": self.model.device,
             "preprocess_backend": self.model.preprocess_backend,
-            "dp_size": len(self.ranks),
+            "dp_size": len(self.roster),
             "assignment": self.dispatcher.info(),
-            "failover": self.health.info(),
+            "failover": self.roster.info(),
             "ingress_cache": self.kept.info() if self.kept is not None else None,
             "handoff": await self.handoff.info(),
             "ranks": ranks,

@@ -128,8 +128,8 @@ class RequestTrace:
         self.gathered_at = time.perf_counter()
         self.owners = list(gathered.owners)
         for rank, answer in gathered.answers.items():
-            self.rank_encode_ms[rank] = answer.result["encode_ms"]
-            self.ranks_ms[rank] = {**answer.result["stages_ms"], "transfer": answer.transfer_ms}
+            self.rank_encode_ms[rank] = answer.reply.encode_ms
+            self.ranks_ms[rank] = {**answer.reply.stages_ms, "transfer": answer.transfer_ms}
 
     def timings(self) -> dict[str, float]:
         """The response's ``timings_ms``: admit, encode, rank_R, rank_R_<stage>, gather, total;

@@ -27,6 +27,7 @@ from .args import ModelArgs, RankArgs
 from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
+from .records import LoadReport, RankReply
 from .sinks import EcFiles, Kept, PartPush, Written, part_frames
 
 log = logging.getLogger("ray.serve")
@@ -139,7 +140,7 @@ class EncoderRank:
         sent_at: float | None = None,
         caller: str = "",
         sink: EcFiles | Kept | None = None,
-    ) -> dict:
+    ) -> RankReply:
         """Features of ``items``: one array per item (or its object-store ref, with the
         cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
         answered with them; bfloat16 as uint16 words, see ``kimi_encoder.features``).
@@ -198,16 +199,16 @@ class EncoderRank:
             {k: round(v, 2) for k, v in stages.items()},
             extra={"kimi_encoder_rank": {"rank": self.rank, "images": len(answered), **stages}},
         )
-        return {
-            "rank": self.rank,
-            "features": features,
-            "dtype": feature_dtype,
-            "missing": missing,
-            "encode_ms": (time.perf_counter() - started) * 1e3,
-            "stages_ms": stages,
-            "done_at": time.time(),
-            "load": self.batcher.load(),  # saves the ingress a poll
-        }
+        return RankReply(
+            rank=self.rank,
+            features=features,
+            dtype=feature_dtype,
+            encode_ms=(time.perf_counter() - started) * 1e3,
+            stages_ms=stages,
+            done_at=time.time(),
+            load=self.batcher.load(),  # saves the ingress a poll
+            missing=missing,
+        )
 
     async def _write(self, sink: EcFiles, results: Sequence) -> list[Written | None]:
         """Each image's encoder-cache entries, written from its host features or, for a
@@ -235,7 +236,7 @@ class EncoderRank:
         nbytes = sum(array.nbytes for array in arrays)
         return {"rank": self.rank, "bytes": nbytes, "push_ms": push_ms}
 
-    async def load(self) -> dict:
+    async def load(self) -> LoadReport:
         """Outstanding work by caller and the fitted cost model (polled by the ingress)."""
         return self.batcher.load()
 

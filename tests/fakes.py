@@ -10,8 +10,10 @@ from collections.abc import Callable
 
 import numpy as np
 
+from deployments.records import LoadReport, Progress, RankReply
 from deployments.sinks import EcFiles, Written
 from kimi_encoder.config import get_preset
+from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderItem
 
 PRESET = get_preset("tiny")
@@ -69,15 +71,14 @@ class FakeRank:
                     Written(f.shape, feature_dtype, {u: f.nbytes for u in uuids})
                     for f, uuids in zip(features, sink.uuids, strict=True)
                 ]
-            return {  # the rank's contract: one array per item, in the call's order
-                "rank": self.rank,
-                "features": features,
-                "dtype": feature_dtype,
-                "encode_ms": 1.0,
-                "stages_ms": {"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
-                "done_at": 0.0,
-                "load": None,
-            }
+            return RankReply(  # the rank's contract: one array per item, in the call's order
+                rank=self.rank,
+                features=features,
+                dtype=feature_dtype,
+                encode_ms=1.0,
+                stages_ms={"queue_wait": 0.0, "preprocess": 0.5, "forward": 0.5},
+                done_at=0.0,
+            )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -95,6 +96,9 @@ class FakeRank:
 
     def load(self) -> FakeCall:
         async def report():
-            return {"by_caller": {}, "cost_model": {"a": 0.0, "b": 1.0, "c": 0.0}}
+            return LoadReport({}, CostModel.patches(), Progress(f"rank-{self.rank}", 0))
 
         return FakeCall(report())
+
+    def wake(self) -> FakeCall:
+        return self.load()

@@ -7,11 +7,13 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from fakes import FakeRank
 from images import gray_png
 
 from deployments.args import BatchingArgs, DispatchArgs
 from deployments.batcher import RankBatcher
 from deployments.dispatch import Dispatcher
+from deployments.roster import Roster
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.config import get_preset, resolve_configs
 from kimi_encoder.encoder import VisionEncoder
@@ -82,7 +84,7 @@ def test_the_ingress_and_the_rank_key_an_image_alike(encoder, feature_dtype):
     rank = RankBatcher(encoder, BatchingArgs(), 1, cache_bytes=1 << 20)
     asyncio.run(rank.encode([encoder.plan(image) for image in images], "c", feature_dtype))
     ingress = Dispatcher(
-        1,
+        Roster([FakeRank(0)], DispatchArgs()),
         DispatchArgs(),
         model_name=resolve_configs("tiny")[2],
         dtype="float32",

@@ -18,16 +18,20 @@ from images import image_bytes
 
 from deployments.args import DispatchArgs
 from deployments.dispatch import Dispatcher
-from deployments.fanout import (
-    FanOut,
-    LoopClock,
-    NoRankAvailableError,
-    RankHealth,
-    RankUnavailableError,
-    RequestTimeoutError,
-)
+from deployments.fanout import FanOut, NoRankAvailableError, RequestTimeoutError
+from deployments.records import LoadReport, Progress, RankReply
+from deployments.roster import LoopClock, RankUnavailableError, Roster
 from deployments.sinks import EcDestination, EcFiles, Written
+from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
+from kimi_encoder.load import Work
+
+
+def make_roster(ranks, cooldown_s: float = 60.0, clock=time.monotonic, **dispatch) -> Roster:
+    """A roster of ``ranks`` with the default dispatch settings but exact load reports
+    (every request polls) and ``cooldown_s``; ``dispatch`` overrides others."""
+    settings = {"load_report_interval_ms": 0, "cooldown_s": cooldown_s, **dispatch}
+    return Roster(ranks, DispatchArgs(**settings), clock=clock)
 
 
 def fan_out(
@@ -36,20 +40,18 @@ def fan_out(
     cooldown_s: float = 60.0,
     cache: bool = False,
     clock=time.monotonic,
+    **dispatch,
 ):
-    dispatch = DispatchArgs(cost_model="patches", load_report_interval_ms=0)
+    roster = make_roster(ranks, cooldown_s, clock, **dispatch)
     dispatcher = Dispatcher(
-        len(ranks), dispatch, model_name="tiny", dtype="float32", cache_enabled=cache
+        roster,
+        DispatchArgs(cost_model="patches"),
+        model_name="tiny",
+        dtype="float32",
+        cache_enabled=cache,
     )
-    health = RankHealth(ranks, cooldown_s, clock)
-    fanout = FanOut(
-        ranks,
-        dispatcher,
-        health,
-        vision=VISION,
-        timeout_s=timeout_s,
-    )
-    return fanout, health
+    fanout = FanOut(roster, dispatcher, vision=VISION, timeout_s=timeout_s)
+    return fanout, roster
 
 
 def items(count: int, seed: int = 0) -> list[EncoderItem]:
@@ -68,12 +70,12 @@ def assert_in_order(gathered, request: list[EncoderItem]) -> None:
 
 def test_all_ranks_answer_in_request_order():
     ranks = [FakeRank(0), FakeRank(1)]
-    fanout, health = fan_out(ranks)
+    fanout, roster = fan_out(ranks)
     request = items(6)
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     assert gathered.redispatched == 0
-    assert health.down() == set()
+    assert roster.down() == set()
     assert sorted(i for r in ranks for call in r.calls for i in call) == list(range(6))
     for rank in ranks:  # each image went to the owner the gather reports
         for i in rank.calls[0]:
@@ -114,7 +116,7 @@ def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
         sent.set()
 
     ranks = [FakeRank(0, signal), FakeRank(1, die_after_send)]
-    fanout, health = fan_out(ranks)
+    fanout, roster = fan_out(ranks)
     request = items(6, seed=10)
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
@@ -123,8 +125,8 @@ def test_a_rank_unavailable_mid_call_is_redispatched_to_the_live_rank():
     assert gathered.redispatched == len(lost)
     assert all(gathered.owners[i] == 0 for i in range(6))
     assert ranks[0].calls[1] == lost  # the second round carried exactly rank 1's share
-    assert health.down() == {1}
-    assert health.failures == [0, 1]
+    assert roster.down() == {1}
+    assert roster.failures == [0, 1]
 
 
 def test_every_rank_down_is_no_rank_available_with_retry_after():
@@ -132,11 +134,11 @@ def test_every_rank_down_is_no_rank_available_with_retry_after():
         raise RankUnavailableError(rank, ConnectionError("no replica"))
 
     ranks = [FakeRank(0, unavailable), FakeRank(1, unavailable)]
-    fanout, health = fan_out(ranks, cooldown_s=30)
+    fanout, roster = fan_out(ranks, cooldown_s=30)
     with pytest.raises(NoRankAvailableError, match="retry after 30 s") as info:
         asyncio.run(fanout.run(items(4), "float32"))
     assert info.value.retry_after_s == 30
-    assert health.down() == {0, 1}
+    assert roster.down() == {0, 1}
 
 
 def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
@@ -144,14 +146,14 @@ def test_an_input_error_from_a_rank_is_the_answer_and_is_never_retried():
         raise EncoderInputError("cannot decode the image", indices[0])
 
     ranks = [FakeRank(0, bad_image), FakeRank(1)]
-    fanout, health = fan_out(ranks)
+    fanout, roster = fan_out(ranks)
     request = items(4, seed=20)
     with pytest.raises(EncoderInputError, match=r"item \d: cannot decode"):
         asyncio.run(fanout.run(request, "float32"))
     assert len(ranks[0].calls) == 1
     assert len(ranks[1].calls) == 1
-    assert health.down() == set()
-    assert health.redispatched == 0
+    assert roster.down() == set()
+    assert roster.redispatched == 0
 
 
 def test_timeout_cancels_every_call():
@@ -168,7 +170,7 @@ def test_timeout_cancels_every_call():
 
 
 def test_timeout_is_the_clients_wall_time_when_the_health_clock_stands_still():
-    """Lateness is judged on the health's clock (the ingress's ``LoopClock``, which stands
+    """Lateness is judged on the roster's clock (the ingress's ``LoopClock``, which stands
     still while its loop lags); the request's timeout is the client's and is not."""
     never = asyncio.Event()
 
@@ -176,11 +178,11 @@ def test_timeout_is_the_clients_wall_time_when_the_health_clock_stands_still():
         await never.wait()
 
     ranks = [FakeRank(0, hang), FakeRank(1, hang)]
-    fanout, health = fan_out(ranks, timeout_s=0.05, clock=lambda: 0.0)
+    fanout, roster = fan_out(ranks, timeout_s=0.05, clock=lambda: 0.0)
     with pytest.raises(RequestTimeoutError, match=r"request_timeout_s=0\.05 s"):
         asyncio.run(fanout.run(items(4, seed=30), "float32"))
     assert [r.cancelled for r in ranks] == [1, 1]
-    assert health.down() == set()  # no time passed on its clock: nobody was late
+    assert roster.down() == set()  # no time passed on its clock: nobody was late
 
 
 def test_loop_clock_stands_still_while_the_loop_lags():
@@ -228,15 +230,15 @@ def test_duplicates_are_encoded_once_and_share_their_features():
 def test_a_rank_that_answers_its_probe_takes_work_again():
     async def scenario():
         ranks = [FakeRank(0), FakeRank(1)]
-        _, health = fan_out(ranks, cooldown_s=0)
-        health.mark_down(RankUnavailableError(1, ConnectionError("replaced")), health.clock())
-        assert health.down() == {1}
-        await health._probes[1]  # the background probe: cool-down 0, then rank 1's load()
-        return health
+        _, roster = fan_out(ranks, cooldown_s=1e-3)
+        roster.mark_down(RankUnavailableError(1, ConnectionError("replaced")), roster.clock())
+        assert roster.down() == {1}
+        await roster._tasks["probe", 1]  # the background probe: cool-down 0, then rank 1's load()
+        return roster
 
-    health = asyncio.run(scenario())
-    assert health.down() == set()
-    assert health.recoveries == [0, 1]
+    roster = asyncio.run(scenario())
+    assert roster.down() == set()
+    assert roster.recoveries == [0, 1]
 
 
 def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
@@ -246,16 +248,16 @@ def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
         await never.wait()
 
     ranks = [FakeRank(0), FakeRank(1, hang)]
-    fanout, health = fan_out(ranks)
-    fanout.slow_after_s = 0.05  # the tiny model's expected time is far below it
+    fanout, roster = fan_out(ranks)
+    roster.slow_after_s = 0.05  # the tiny model's expected time is far below it
     request = items(6, seed=50)
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
     share = ranks[1].calls[0]
     assert ranks[0].calls[-1] == share  # the late call's images went to rank 0
     assert ranks[1].cancelled == 1  # the duplicate was dropped once rank 0 answered
-    assert health.hedged >= len(share)
-    assert 1 in health.down()
+    assert roster.hedged >= len(share)
+    assert 1 in roster.down()
     assert all(gathered.owners[i] == 0 for i in share)
 
 
@@ -271,8 +273,8 @@ def test_first_answer_wins_when_the_late_call_answers_before_its_copy():
             await copy_go.wait()
 
     ranks = [FakeRank(0, zero), FakeRank(1, late)]
-    fanout, health = fan_out(ranks)
-    fanout.slow_after_s = 0.05
+    fanout, roster = fan_out(ranks)
+    roster.slow_after_s = 0.05
 
     async def run():
         task = asyncio.ensure_future(fanout.run(request, "float32"))
@@ -286,20 +288,20 @@ def test_first_answer_wins_when_the_late_call_answers_before_its_copy():
     share = ranks[1].calls[0]
     assert all(gathered.owners[i] == 1 for i in share)
     assert ranks[0].cancelled == 1  # the copy was the duplicate
-    assert health.down() == set()  # rank 1 answered: slow, not dead
+    assert roster.down() == set()  # rank 1 answered: slow, not dead
 
 
 def test_health_is_ordered_by_time_and_replica():
     async def scenario():
-        health = RankHealth([FakeRank(0)], cooldown_s=60)
+        roster = make_roster([FakeRank(0)])
         t0 = time.monotonic()
-        health.mark_down(RankUnavailableError(0, "died", replica="A"), t0)
-        health.mark_up(0, "A", started=t0 - 1)  # began before the failure, same replica
-        stale = health.down()
-        health.mark_up(0, "B", started=t0 - 1)  # its replacement answered
-        replaced = health.down()
-        health.mark_down(RankUnavailableError(0, "late error", replica="A"), t0 - 2)
-        return stale, replaced, health.down(), health.ignored
+        roster.mark_down(RankUnavailableError(0, "died", replica="A"), t0)
+        roster.mark_up(0, "A", started=t0 - 1)  # began before the failure, same replica
+        stale = roster.down()
+        roster.mark_up(0, "B", started=t0 - 1)  # its replacement answered
+        replaced = roster.down()
+        roster.mark_down(RankUnavailableError(0, "late error", replica="A"), t0 - 2)
+        return stale, replaced, roster.down(), roster.ignored
 
     stale, replaced, after_old_error, ignored = asyncio.run(scenario())
     assert stale == {0}
@@ -311,15 +313,15 @@ def test_health_is_ordered_by_time_and_replica():
 def test_slow_ranks_still_take_work_when_no_rank_is_up():
     async def scenario():
         ranks = [FakeRank(0), FakeRank(1)]
-        fanout, health = fan_out(ranks)
+        fanout, roster = fan_out(ranks)
         for rank in (0, 1):
-            health.mark_down(RankUnavailableError(rank, "late", slow=True), health.clock())
+            roster.mark_down(RankUnavailableError(rank, "late", slow=True), roster.clock())
         request = items(4, seed=70)
-        return request, await fanout.run(request, "float32"), health
+        return request, await fanout.run(request, "float32"), roster
 
-    request, gathered, health = asyncio.run(scenario())
+    request, gathered, roster = asyncio.run(scenario())
     assert_in_order(gathered, request)  # answered, not 503
-    assert health.down() == set()
+    assert roster.down() == set()
 
 
 def test_a_silent_rank_gets_no_new_work():
@@ -331,22 +333,22 @@ def test_a_silent_rank_gets_no_new_work():
 
     ranks = [FakeRank(0), Silent(1)]
     clock = Clock()
-    fanout, health = fan_out(ranks, clock=clock)
+    fanout, roster = fan_out(ranks, clock=clock)
 
     async def miss() -> set[int]:
-        await fanout.dispatcher.refresh(ranks)  # waits briefly, the poll goes on
-        await fanout.dispatcher._poll  # until rank 1 misses its report deadline
-        return health.down()
+        await fanout.roster.refresh()  # waits briefly, the poll goes on
+        await fanout.roster._poll  # until rank 1 misses its report deadline
+        return roster.down()
 
     async def scenario():
         once = await miss()  # one miss may be a busy queue
-        clock.now += fanout.slow_after_s
+        clock.now += roster.slow_after_s
         return once, await miss(), await fanout.run(items(4, seed=80), "float32")
 
     once, twice, gathered = asyncio.run(scenario())
     assert once == set()
     assert twice == {1}  # still missing slow_after_s later, with no progress between
-    assert health.down() == {1}
+    assert roster.down() == {1}
     assert set(gathered.owners) == {0}
     assert not ranks[1].calls
 
@@ -376,21 +378,21 @@ def test_an_unrouted_call_is_hedged_after_the_route_timeout_and_keeps_routing():
     async def scenario():
         route = asyncio.Event()
         ranks = [FakeRank(0), Unrouted(1, route)]
-        fanout, health = fan_out(ranks)
-        fanout.route_late_s = 0.02
+        fanout, roster = fan_out(ranks)
+        roster.route_timeout_s = 0.02
         request = items(6, seed=90)
         gathered = await fanout.run(request, "float32")
-        return ranks, health, request, gathered
+        return ranks, roster, request, gathered
 
-    ranks, health, request, gathered = asyncio.run(scenario())
+    ranks, roster, request, gathered = asyncio.run(scenario())
     assert_in_order(gathered, request)
     share = ranks[1].calls[0]
     assert share
     assert ranks[0].calls[-1] == share  # its images went to rank 0 while it routed
     assert ranks[1].cancelled == 1  # the unrouted call was dropped once rank 0 answered
-    assert health.down() == {1}
-    assert "no replica took the call in " in health.info()["down"][1]
-    assert health.failed() == set()  # slow, not failed: it gets work when no rank is up
+    assert roster.down() == {1}
+    assert "no replica took the call in " in roster.info()["down"][1]
+    assert roster.failed() == set()  # slow, not failed: it gets work when no rank is up
 
 
 def test_when_no_rank_routes_in_time_the_request_waits_for_routing_not_503():
@@ -400,11 +402,11 @@ def test_when_no_rank_routes_in_time_the_request_waits_for_routing_not_503():
     async def scenario():
         route = asyncio.Event()
         ranks = [Unrouted(0, route), Unrouted(1, route)]
-        fanout, health = fan_out(ranks)
-        fanout.route_late_s = 0.01
+        fanout, roster = fan_out(ranks)
+        roster.route_timeout_s = 0.01
         request = items(6, seed=100)
         task = asyncio.ensure_future(fanout.run(request, "float32"))
-        while health.down() != {0, 1}:  # both calls late: both ranks down as slow
+        while roster.down() != {0, 1}:  # both calls late: both ranks down as slow
             await asyncio.sleep(0)
         route.set()
         return ranks, request, await task
@@ -420,17 +422,17 @@ def test_lateness_does_not_soften_a_failure():
     (with every rank failed, requests are refused at once instead of waiting on it)."""
 
     async def scenario():
-        health = RankHealth([FakeRank(0)], cooldown_s=60)
-        health.mark_down(RankUnavailableError(0, ConnectionError("actor died")), health.clock())
-        health.mark_down(
-            RankUnavailableError(0, "no replica took the call", slow=True), health.clock()
+        roster = make_roster([FakeRank(0)])
+        roster.mark_down(RankUnavailableError(0, ConnectionError("actor died")), roster.clock())
+        roster.mark_down(
+            RankUnavailableError(0, "no replica took the call", slow=True), roster.clock()
         )
-        return health
+        return roster
 
-    health = asyncio.run(scenario())
-    assert health.failed() == {0}
-    assert health.excluded() == {0}
-    assert "actor died" in health.info()["down"][0]
+    roster = asyncio.run(scenario())
+    assert roster.failed() == {0}
+    assert roster.excluded() == {0}
+    assert "actor died" in roster.info()["down"][0]
 
 
 def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
@@ -441,14 +443,14 @@ def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
     async def scenario():
         route = asyncio.Event()  # never set: the replacements are still starting
         ranks = [Unrouted(0, route), Unrouted(1, route)]
-        fanout, health = fan_out(ranks)
-        fanout.route_late_s = 0.01
+        fanout, roster = fan_out(ranks)
+        roster.route_timeout_s = 0.01
         task = asyncio.ensure_future(fanout.run(items(4, seed=110), "float32"))
-        while health.down() != {0, 1}:  # both calls late: both ranks down as slow
+        while roster.down() != {0, 1}:  # both calls late: both ranks down as slow
             await asyncio.sleep(0)
         for rank in (0, 1):
-            health.mark_down(
-                RankUnavailableError(rank, ConnectionError("actor died")), health.clock()
+            roster.mark_down(
+                RankUnavailableError(rank, ConnectionError("actor died")), roster.clock()
             )
         with pytest.raises(NoRankAvailableError) as raised:
             await task
@@ -478,33 +480,36 @@ def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
     no rank is up)."""
 
     async def scenario():
-        health = RankHealth([Registry(0, gone)], cooldown_s=60)
-        health.mark_up(0, "r0", time.monotonic())
-        health.mark_down(
-            RankUnavailableError(0, "no replica took the call", slow=True), health.clock()
+        roster = make_roster([Registry(0, gone)])
+        roster.mark_up(0, "r0", time.monotonic())
+        roster.mark_down(
+            RankUnavailableError(0, "no replica took the call", slow=True), roster.clock()
         )
-        await asyncio.wait_for(health._lookups[0], 5)
-        return health
+        await asyncio.wait_for(roster._tasks["look-up", 0], 5)
+        return roster
 
-    health = asyncio.run(scenario())
-    assert health.down() == {0}
-    assert health.failed() == failed
+    roster = asyncio.run(scenario())
+    assert roster.down() == {0}
+    assert roster.failed() == failed
     if failed:
-        assert "its replica r0 is gone" in health.info()["down"][0]
+        assert "its replica r0 is gone" in roster.info()["down"][0]
 
 
 def test_a_refilled_answer_puts_each_resent_image_back_in_its_place():
     from deployments.handles import _refilled
 
-    first = {"rank": 1, "features": ["a", None, "c", None], "missing": [1, 3], "encode_ms": 1.0}
-    again = {"rank": 1, "features": ["B", "D"], "missing": [], "encode_ms": 2.0, "load": "new"}
+    def reply(features, missing, encode_ms, load=None) -> RankReply:
+        return RankReply(1, features, "float32", encode_ms, {}, 0.0, load, missing)
+
+    first = reply(["a", None, "c", None], [1, 3], 1.0)
+    again = reply(["B", "D"], [], 2.0, load=busy(7))
     merged = _refilled(first, [1, 3], again)
-    assert merged["features"] == ["a", "B", "c", "D"]
-    assert merged["missing"] == []
-    assert merged["encode_ms"] == 3.0
-    assert merged["load"] == "new"  # the later load report
+    assert merged.features == ["a", "B", "c", "D"]
+    assert merged.missing == []
+    assert merged.encode_ms == 3.0
+    assert merged.load == busy(7)  # the later load report
     with pytest.raises(AssertionError, match="came back missing"):
-        _refilled(first, [1, 3], {**again, "missing": [0]})
+        _refilled(first, [1, 3], again.replace(missing=[0]))
 
 
 # --- load is not failure: lateness counts from the rank's last progress ---------------
@@ -546,15 +551,10 @@ class Held(FakeRank):
         await self.go.wait()
 
 
-def busy(answered: int) -> dict:
+def busy(answered: int, instance: str = "x") -> LoadReport:
     """A load report of a rank that holds work and has answered ``answered`` calls."""
-    work = {"ingress-other": [3, 300, 30000]}
-    model = {"a": 0.0, "b": 1.0, "c": 0.0}
-    return {
-        "by_caller": work,
-        "cost_model": model,
-        "progress": {"instance": "x", "answered": answered},
-    }
+    work = {"ingress-other": Work(3, 300, 30000)}
+    return LoadReport(work, CostModel.patches(), Progress(instance, answered))
 
 
 @pytest.mark.parametrize("progress", [True, False], ids=["answering", "hung"])
@@ -566,33 +566,33 @@ def test_a_rank_that_keeps_answering_is_busy_not_late(progress):
     async def scenario():
         clock = Clock()
         ranks = [FakeRank(0), Held(1)]
-        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
-        fanout.slow_after_s = 0.05  # the fan-out wakes at least this often
+        fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
+        roster.slow_after_s = 0.05  # the fan-out wakes at least this often
         request = items(6, seed=120)
         task = asyncio.ensure_future(fanout.run(request, "float32"))
         await ranks[1].sent.wait()
         for answered in range(1, 6 if progress else 2):
             clock.now += 10.0
             if progress:
-                health.reported(1, busy(answered))  # as a poll or another answer brings it
+                roster.observe(1, busy(answered))  # as a poll or another answer brings it
                 await clock.seen()
         gathered = await task if not progress else None  # hung: the hedge answers
         ranks[1].go.set()
-        return ranks, health, request, gathered or await task
+        return ranks, roster, request, gathered or await task
 
-    ranks, health, request, gathered = asyncio.run(scenario())
+    ranks, roster, request, gathered = asyncio.run(scenario())
     assert_in_order(gathered, request)
     share = ranks[1].calls[0]
     if progress:
         assert [len(r.calls) for r in ranks] == [1, 1]  # nothing re-sent
-        assert health.failures == [0, 0]
-        assert (health.hedged, health.redispatched, gathered.redispatched) == (0, 0, 0)
-        assert health.down() == set()
+        assert roster.failures == [0, 0]
+        assert (roster.hedged, roster.redispatched, gathered.redispatched) == (0, 0, 0)
+        assert roster.down() == set()
         assert all(gathered.owners[i] == 1 for i in share)
     else:
         assert ranks[0].calls[-1] == share  # hedged to rank 0
-        assert health.hedged == health.redispatched == len(share)
-        assert health.failures == [0, 1]
+        assert roster.hedged == roster.redispatched == len(share)
+        assert roster.failures == [0, 1]
 
 
 def test_a_late_call_is_never_hedged_to_its_own_rank():
@@ -604,25 +604,25 @@ def test_a_late_call_is_never_hedged_to_its_own_rank():
         clock = Clock()
         route = asyncio.Event()
         ranks = [Unrouted(0, route)]
-        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
-        fanout.route_late_s, fanout.slow_after_s = 0.01, 0.05
+        fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
+        roster.route_timeout_s, roster.slow_after_s = 0.01, 0.05
         task = asyncio.ensure_future(fanout.run(items(3, seed=130), "float32"))
         while not ranks[0].calls:
             await asyncio.sleep(0)
         clock.now += 10.0
-        while health.down() != {0}:
+        while roster.down() != {0}:
             await clock.seen(1)
-        health.heard(0)
-        health.mark_up(0, None, clock.now)  # another request's call answered
+        roster.heard(0)
+        roster.mark_up(0, None, clock.now)  # another request's call answered
         await clock.seen()  # an unrouted late call: the fan-out looks again every 0.1 s
-        up_again = health.down()
+        up_again = roster.down()
         route.set()
-        return ranks, health, up_again, await task
+        return ranks, roster, up_again, await task
 
-    ranks, health, up_again, gathered = asyncio.run(scenario())
+    ranks, roster, up_again, gathered = asyncio.run(scenario())
     assert up_again == set()
     assert len(ranks[0].calls) == 1
-    assert (health.hedged, health.redispatched, gathered.redispatched) == (0, 0, 0)
+    assert (roster.hedged, roster.redispatched, gathered.redispatched) == (0, 0, 0)
     assert gathered.owners == [0, 0, 0]
 
 
@@ -635,18 +635,18 @@ def test_an_unrouted_call_of_a_rank_that_answers_is_queued_not_late():
         clock = Clock()
         route = asyncio.Event()
         ranks = [FakeRank(0), Unrouted(1, route)]
-        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
-        fanout.route_late_s, fanout.slow_after_s = 0.01, 0.05
+        fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
+        roster.route_timeout_s, roster.slow_after_s = 0.01, 0.05
         task = asyncio.ensure_future(fanout.run(items(6, seed=140), "float32"))
         while not ranks[1].calls:
             await asyncio.sleep(0)
         for answered in range(1, 6):
             clock.now += 0.04  # past the route timeout, within slow_after_s of progress
-            health.reported(1, busy(answered))
+            roster.observe(1, busy(answered))
             await clock.seen()
-        queued = (health.down(), len(ranks[0].calls))
+        queued = (roster.down(), len(ranks[0].calls))
         clock.now += 10.0  # no progress for longer than slow_after_s
-        while health.down() != {1}:
+        while roster.down() != {1}:
             await clock.seen(1)
         return ranks, queued, await task
 
@@ -661,13 +661,13 @@ def test_a_missed_report_of_a_rank_that_answers_is_not_silence():
     async def scenario():
         clock = Clock()
         ranks = [FakeRank(0), FakeRank(1)]
-        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
-        health.reported(1, busy(1))
-        fanout._silent(1, TimeoutError())  # its poll waited in the queue of a busy rank
-        busy_rank = health.down()
-        clock.now += fanout.slow_after_s
-        fanout._silent(1, TimeoutError())  # and now it has been quiet for slow_after_s
-        return busy_rank, health.down()
+        _, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
+        roster.observe(1, busy(1))
+        roster.missed_report(1, TimeoutError())  # its poll waited in the queue of a busy rank
+        busy_rank = roster.down()
+        clock.now += roster.slow_after_s
+        roster.missed_report(1, TimeoutError())  # and now it has been quiet for slow_after_s
+        return busy_rank, roster.down()
 
     busy_rank, quiet = asyncio.run(scenario())
     assert busy_rank == set()
@@ -682,21 +682,21 @@ def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
     async def scenario():
         clock = Clock()
         ranks = [FakeRank(0), Held(1)]
-        fanout, health = fan_out(ranks, timeout_s=1e6, clock=clock)
-        fanout.slow_after_s = 1e3  # the call itself is never late here
+        fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
+        roster.slow_after_s = 1e3  # the call itself is never late here
         task = asyncio.ensure_future(fanout.run(items(6, seed=160), "float32"))
         await ranks[1].sent.wait()
         clock.now += 2e3  # quiet for twice slow_after_s
-        fanout._silent(1, TimeoutError())
-        with_a_call = health.down()
+        roster.missed_report(1, TimeoutError())
+        with_a_call = roster.down()
         ranks[1].go.set()
         await task
         clock.now += 2e3
-        fanout._silent(1, TimeoutError())
-        one_miss = health.down()
-        clock.now += fanout.slow_after_s
-        fanout._silent(1, TimeoutError())
-        return with_a_call, one_miss, health.down()
+        roster.missed_report(1, TimeoutError())
+        one_miss = roster.down()
+        clock.now += roster.slow_after_s
+        roster.missed_report(1, TimeoutError())
+        return with_a_call, one_miss, roster.down()
 
     with_a_call, one_miss, without = asyncio.run(scenario())
     assert with_a_call == set()
@@ -705,21 +705,21 @@ def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
 
 
 def test_progress_is_an_answered_count_that_moves_or_an_idle_rank():
-    health = RankHealth([FakeRank(0)], cooldown_s=60, clock=(clock := Clock()))
-    assert health.quiet_from(0, 5.0) == 5.0  # never heard from
-    health.reported(0, busy(3))
-    assert health.quiet_from(0, 5.0) == 1000.0  # a first report is progress
+    roster = make_roster([FakeRank(0)], clock=(clock := Clock()))
+    assert roster.quiet_from(0, 5.0) == 5.0  # never heard from
+    roster.observe(0, busy(3))
+    assert roster.quiet_from(0, 5.0) == 1000.0  # a first report is progress
     clock.now = 1010.0
-    health.reported(0, busy(3))  # the same count, work outstanding: no progress
-    assert health.quiet_from(0, 5.0) == 1000.0
-    health.reported(0, {**busy(3), "progress": {"instance": "y", "answered": 0}})
-    assert health.quiet_from(0, 5.0) == 1010.0  # another process (a replacement)
+    roster.observe(0, busy(3))  # the same count, work outstanding: no progress
+    assert roster.quiet_from(0, 5.0) == 1000.0
+    roster.observe(0, busy(0, instance="y"))
+    assert roster.quiet_from(0, 5.0) == 1010.0  # another process (a replacement)
     clock.now = 1020.0
-    health.reported(0, {**busy(0), "by_caller": {}, "progress": {"instance": "y", "answered": 0}})
-    assert health.quiet_from(0, 5.0) == 1020.0  # idle: nothing to make progress on
+    roster.observe(0, LoadReport({}, CostModel.patches(), Progress("y", 0)))
+    assert roster.quiet_from(0, 5.0) == 1020.0  # idle: nothing to make progress on
     clock.now = 1030.0
-    health.heard(0)  # an encode answer
-    assert health.quiet_from(0, 5.0) == 1030.0
+    roster.heard(0)  # an encode answer
+    assert roster.quiet_from(0, 5.0) == 1030.0
 
 
 def test_a_destination_goes_to_each_call_as_the_entries_of_its_images():
@@ -750,7 +750,7 @@ def test_a_destination_goes_to_each_call_as_the_entries_of_its_images():
     assert gathered.destination is to
 
 
-# --- one clock: a failure is placed by when its call was sent, on the health's clock ----
+# --- one clock: a failure is placed by when its call was sent, on the roster's clock ----
 
 
 class Replaced(FakeRank):
@@ -787,17 +787,17 @@ def test_an_old_replicas_late_failure_spares_its_replacement_on_a_lagging_clock(
 
     async def scenario():
         rank = Replaced()
-        fanout, health = fan_out([rank], clock=lambda: time.monotonic() - 10.0)
+        fanout, roster = fan_out([rank], clock=lambda: time.monotonic() - 10.0)
         first_request, second_request = items(2, seed=160), items(2, seed=170)
         first = asyncio.ensure_future(fanout.run(first_request, "float32"))
         await rank.first_sent.wait()
         second = await fanout.run(second_request, "float32")  # replica B answers
         rank.fail.set()
-        return first_request, await first, second_request, second, health
+        return first_request, await first, second_request, second, roster
 
-    first_request, first, second_request, second, health = asyncio.run(scenario())
+    first_request, first, second_request, second, roster = asyncio.run(scenario())
     assert_in_order(second, second_request)
     assert_in_order(first, first_request)  # re-dispatched to replica B
     assert first.redispatched == 2
-    assert health.down() == set()
-    assert health.ignored == 1
+    assert roster.down() == set()
+    assert roster.ignored == 1

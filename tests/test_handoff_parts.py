@@ -18,9 +18,10 @@ from serve_helpers import admission, read_frame0
 from deployments.admission import Admission, OutputNotConfiguredError
 from deployments.args import AppArgs
 from deployments.dispatch import Dispatcher
-from deployments.fanout import FanOut, Gathered, RankHealth, RankUnavailableError
+from deployments.fanout import FanOut, Gathered
 from deployments.handoff import Handoff, check_ec_root, pusher_rank
 from deployments.metrics import RequestTrace
+from deployments.roster import RankUnavailableError, Roster
 from deployments.schemas import EncodeRequest as V1Request
 from deployments.security import ApiKey
 from deployments.sinks import PartPush, part_frames
@@ -178,10 +179,10 @@ def handoff_of(ranks):
     """A ``Handoff`` over fake ranks (tests/fakes.py), as ``EncodeServer`` wires it."""
     args = AppArgs()
     dispatch = args.dispatch.model_copy(update={"cost_model": "patches"})
+    roster = Roster(ranks, dispatch.model_copy(update={"cooldown_s": 60.0}))
     fanout = FanOut(
-        ranks,
-        Dispatcher(len(ranks), dispatch, model_name="tiny", dtype="float32", cache_enabled=False),
-        RankHealth(ranks, 60.0),
+        roster,
+        Dispatcher(roster, dispatch, model_name="tiny", dtype="float32", cache_enabled=False),
         vision=VISION,
         timeout_s=30.0,
     )

@@ -121,7 +121,7 @@ def test_a_rank_answers_each_image_as_an_array_read_in_place(url, images, refere
     rank = serve.get_deployment_handle("EncoderRank_0", app_name=app)
     planned = [reference.plan(b) for b in images[:3]]
     answer = rank.encode.remote([0, 1, 2], planned, "float32").result(timeout_s=120)
-    features = answer["features"]
+    features = answer.features
     assert isinstance(features, list)
     assert len(features) == 3
     with one_thread():
