@@ -2,7 +2,9 @@
 
 Configs name it as ``import_path: deployments.app:build_app``; Serve validates
 the ``args:`` block into ``AppArgs`` (a bad value fails the deploy). Every
-deployment option comes from ``AppArgs``: ``dp_size`` ranks, each with
+deployment option comes from ``AppArgs``: ``dp_size`` ranks (with ``{min, max}``,
+``max`` of them, the first ``min`` with one replica always and the others autoscaled
+between 0 and 1 replicas: ``scaling``), each with
 ``ranks.actor_options`` and ``ranks.serve_options``, ``ingress.replicas`` ingress
 replicas with ``ingress.actor_options`` and ``ingress.serve_options``, and one
 ``HandoffRegistry`` replica (the sglang receive addresses all ingress replicas
@@ -57,18 +59,25 @@ def bind_app(
     # config overrides; the rank is known even in local testing mode. RequestRouter is
     # alpha, its replica metadata goes stale when ranks are reassigned, and a router with
     # no matching replica spins unless it sets should_backoff.
+    # Elastic ranks are the same deployments, each scaled between 0 and 1 replicas by
+    # Serve's own autoscaler: the ingress decides which ranks it wants and sends the others
+    # no call, so they park; a call waiting for a parked rank starts it (scaling.py).
     model = args.model_as_run
     rank_options = args.ranks.serve_options.model_dump()
     ranks = [
         serve.deployment(EncoderRank)
         .options(
             name=rank_name(rank),
-            num_replicas=1,
             ray_actor_options=args.ranks.actor_options.model_dump() | args.replica_env(),
             **rank_options,
+            **(
+                {"num_replicas": 1}
+                if rank < args.dp_min
+                else {"autoscaling_config": args.scaling.autoscaling_config()}
+            ),
         )
         .bind(rank, model, args.ranks_as_run, args.ingress_cache_share, encoder_factory)
-        for rank in range(args.dp_size)
+        for rank in range(args.dp_max)
     ]
     ingress_options = args.ingress.serve_options
     ingress = serve.deployment(EncodeServer).options(
@@ -99,4 +108,6 @@ def bind_app(
         args.dispatch,
         args.handoff,
         rank_cache=args.ranks.cache_bytes > 0,
+        dp_min=args.dp_min,
+        scaling=args.scaling if args.elastic else None,
     )

@@ -18,7 +18,14 @@ from collections.abc import Callable
 from pathlib import PurePath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.engines.transport import DEFAULT_RECEIVE_NETWORKS, ReceivePolicy, parse_networks
@@ -465,6 +472,88 @@ class HandoffArgs(Section):
         return value
 
 
+class DpRange(Section):
+    """Elastic vision DP: between ``min`` and ``max`` ranks take work, as the load asks."""
+
+    min: int = Field(ge=1, description="Ranks that always run (never parked).")
+    max: int = Field(ge=1, description="Most ranks running at once (one GPU each).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> DpRange:
+        if self.max < self.min:
+            raise ValueError(
+                f"max ({self.max}) must be at least min ({self.min}), e.g. "
+                f"{{min: {self.min}, max: {2 * self.min}}}"
+            )
+        return self
+
+
+class ScalingArgs(Section):
+    """How elastic ranks (``dp_size: {min, max}``) follow the load (deployments/scaling.py).
+    The ingress decides how many ranks it wants; Serve starts and releases their replicas.
+    Ignored with a fixed ``dp_size``."""
+
+    # One rank's queue of this many seconds of work is what a closed loop of a few clients
+    # keeps on a busy rank; more means requests wait behind each other.
+    target_queue_s: float = Field(
+        0.05,
+        gt=0,
+        description="Work queued per rank (seconds, by the ranks' fitted cost model) above "
+        "which the ingress wants one rank more.",
+    )
+    upscale_after_s: float = Field(
+        2.0,
+        gt=0,
+        description="How long the queue must stay above target_queue_s per rank (on average) "
+        "before another rank is started.",
+    )
+    downscale_after_s: float = Field(
+        15.0,
+        gt=0,
+        description="How long the queued work must fit one rank fewer at half of "
+        "target_queue_s before a rank is given no new work (then parked: park_after_s). "
+        "A GPU config may wait longer: a real checkpoint takes minutes to load again.",
+    )
+    park_after_s: float = Field(
+        10.0,
+        ge=0,
+        description="A rank given no new work releases its replica (process, GPU, CPUs) once "
+        "it has had no call for this long (Serve's downscale_to_zero_delay_s, after its "
+        "look-back window).",
+    )
+    start_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="A rank started for the load that has not answered within this long (no "
+        "GPU free, a failing start) is reported with Serve's reason and left parked; the "
+        "service goes on with the live ranks and tries it again after as long.",
+    )
+
+    def autoscaling_config(self) -> dict[str, Any]:
+        """Serve's autoscaling of an elastic rank: 0 or 1 replica, Serve's default policy.
+        A call waiting at a handle starts a replica at once (its router tells the
+        controller as soon as a call queues for a deployment with none); a rank with no
+        call for its look-back window and ``park_after_s`` is released, after its calls
+        finish. The ingress sends an unwanted rank no call at all, so that is when it
+        parks (deployments/scaling.py)."""
+        return {
+            "min_replicas": 0,
+            "initial_replicas": 0,
+            "max_replicas": 1,
+            "target_ongoing_requests": 1,
+            "upscale_delay_s": 0,
+            "downscale_delay_s": self.park_after_s,
+            "downscale_to_zero_delay_s": self.park_after_s,
+            "metrics_interval_s": METRICS_INTERVAL_S,
+            "look_back_period_s": LOOK_BACK_S,
+        }
+
+
+# Serve's defaults (10 s pushes, a 30 s window) would park an idle rank 40 s late.
+METRICS_INTERVAL_S = 1.0
+LOOK_BACK_S = 5.0
+
+
 # Where each key of the flat args of earlier releases now lives.
 MOVED = {
     **{key: f"model.{key}" for key in ModelArgs.model_fields},
@@ -517,7 +606,12 @@ class AppArgs(Section):
         "The checkpoint, its seed, the ranks' device and dtypes, the default "
         "preprocessing backend.",
     )
-    dp_size: int = Field(1, ge=1, description="Encoder ranks (vision data parallelism): 1 per GPU.")
+    dp_size: int | DpRange = Field(
+        1,
+        description="Encoder ranks (vision data parallelism), one per GPU: an int for that many "
+        "ranks always running, or {min: M, max: N} for elastic ranks that follow the load "
+        "(scaling).",
+    )
     ranks: RankArgs = part(
         RankArgs,
         "Every encoder rank: resources, Serve options, batching, feature cache, "
@@ -537,6 +631,10 @@ class AppArgs(Section):
         HandoffArgs,
         "The engine hand-off: image URLs, vLLM's encoder-cache directory, "
         "sglang's receive addresses.",
+    )
+    scaling: ScalingArgs = part(
+        ScalingArgs,
+        "Elastic ranks (dp_size {min, max}): queue target, how soon ranks start and park.",
     )
     glibc_tunables: str = Field(
         GLIBC_TUNABLES,
@@ -560,6 +658,31 @@ class AppArgs(Section):
                 + " (args are grouped by component; see docs/api.md, Configuration)"
             )
         return data
+
+    @field_validator("dp_size", mode="before")
+    @classmethod
+    def _dp_size(cls, value: Any) -> int | DpRange:
+        """An int >= 1 or {min, max}, checked here so an error names one shape, not both."""
+        if isinstance(value, DpRange):
+            return value
+        if isinstance(value, dict):
+            try:
+                return DpRange(**value)
+            except ValidationError as exc:
+                problems = "; ".join(
+                    ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
+                    for e in exc.errors()
+                ).replace("Value error, ", "")
+                raise ValueError(
+                    f"dp_size {value!r} is not a valid range ({problems}); write {{min: M, "
+                    "max: N} with 1 <= M <= N, or an int for a fixed number of ranks."
+                ) from None
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"dp_size must be an int >= 1 (ranks always running, one per GPU) or {{min: M, "
+                f"max: N}} (elastic ranks), got {value!r}."
+            )
+        return value
 
     @field_validator("glibc_tunables")
     @classmethod
@@ -594,6 +717,20 @@ class AppArgs(Section):
         return self
 
     @property
+    def dp_min(self) -> int:
+        """Ranks that always run."""
+        return self.dp_size if isinstance(self.dp_size, int) else self.dp_size.min
+
+    @property
+    def dp_max(self) -> int:
+        """Ranks there can be: one deployment each."""
+        return self.dp_size if isinstance(self.dp_size, int) else self.dp_size.max
+
+    @property
+    def elastic(self) -> bool:
+        return self.dp_max > self.dp_min
+
+    @property
     def model_as_run(self) -> ModelArgs:
         """``model`` as the ranks run it (device, dtypes and backend resolved), for the ranks
         and the ingress alike."""
@@ -601,8 +738,9 @@ class AppArgs(Section):
 
     @property
     def ranks_as_run(self) -> RankArgs:
-        """``ranks`` as each rank runs it: no calibration unless assignment uses it."""
-        if self.dispatch.cost_model == "fitted":
+        """``ranks`` as each rank runs it: no calibration unless assignment uses it or
+        ranks are elastic (the queue in seconds is what they scale on)."""
+        if self.dispatch.cost_model == "fitted" or self.elastic:
             return self.ranks
         return self.ranks.model_copy(update={"calibration_grids": []})
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import ray
+from ray import serve
 from ray.exceptions import ObjectLostError, RayActorError, RayTaskError
 from ray.serve._private.common import DeploymentID, ReplicaID  # ReplicaID: public alpha
 from ray.serve.exceptions import (
@@ -55,6 +56,7 @@ from kimi_encoder.items import EncoderItem
 
 from .records import RankReply
 from .roster import RankUnavailableError
+from .scaling import Replicas
 from .sinks import EcFiles, Kept, PartPush
 
 log = logging.getLogger("ray.serve")
@@ -283,6 +285,9 @@ class RankHandle:
     def load(self) -> RankCall:
         return self._call("load", self.route_timeout_s)
 
+    def hold(self, seconds: float) -> RankCall:
+        return self._call("hold", None, seconds)
+
     def wake(self) -> RankCall:
         """A load call that routes until a replica takes it: Serve starts a replica of a
         rank scaled to zero for a call waiting at its handle."""
@@ -309,6 +314,29 @@ class RankHandle:
     def _call(self, method: str, route_timeout_s: float | None, *args, **kwargs) -> RankCall:
         handle = self.handle.options(method_name=method)
         return RankCall(self.rank, handle, route_timeout_s, *args, **kwargs)
+
+
+class ServeDirectory:
+    """Serve's own view of the ranks' replicas (``scaling.Directory``): how many of each
+    rank deployment's replicas run, and the deployment's status message (why a replica
+    does not start: no resources for it, a constructor that fails). Read from
+    ``serve.status()`` on a thread (it waits on the controller)."""
+
+    def __init__(self, handles: Sequence[DeploymentHandle]):
+        self.app = handles[0].app_name if handles else ""
+        self.names = [h.deployment_name for h in handles]
+
+    async def replicas(self) -> dict[int, Replicas]:
+        status = await asyncio.to_thread(serve.status)
+        app = status.applications.get(self.app)
+        if app is None:
+            return {}
+        out = {}
+        for rank, name in enumerate(self.names):
+            if (deployment := app.deployments.get(name)) is not None:
+                running = deployment.replica_states.get("RUNNING", 0)  # a str enum's keys
+                out[rank] = Replicas(running, deployment.message)
+        return out
 
 
 class RegistryCall:

@@ -24,13 +24,14 @@ from kimi_encoder.config import resolve_configs
 
 from . import errors
 from .admission import Admission, BodySlots
-from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
+from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs, ScalingArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut
-from .handles import IngressCache, RankHandle, RegistryHandle
+from .handles import IngressCache, RankHandle, RegistryHandle, ServeDirectory
 from .handoff import Handoff
 from .metrics import IngressMetrics
-from .roster import LoopClock, Roster
+from .roster import DOWN, LIVE, LoopClock, Roster
+from .scaling import Elastic
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
 from .wire import json_response, safetensors_response
@@ -63,9 +64,13 @@ class EncodeServer:
         dispatch: DispatchArgs,
         handoff: HandoffArgs,
         rank_cache: bool,
+        dp_min: int | None = None,
+        scaling: ScalingArgs | None = None,
     ):
         """``model`` as the ranks run it (``AppArgs.model_as_run``); ``rank_cache``:
-        whether the ranks keep a feature cache (cache affinity follows it)."""
+        whether the ranks keep a feature cache (cache affinity follows it); ``scaling``
+        (elastic ranks): the first ``dp_min`` ranks always run, the others follow the load
+        (``scaling.Elastic``)."""
         self.model = model
         vision, preprocess, self.model_name = resolve_configs(model.checkpoint)
         self.vision = vision
@@ -81,7 +86,8 @@ class EncodeServer:
         self.api_key = ApiKey.load(ingress.api_key_file)
         timeout = dispatch.route_timeout_s
         clients = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
-        self.roster = Roster(clients, dispatch, clock=LoopClock())
+        fixed = dp_min if scaling is not None else None
+        self.roster = Roster(clients, dispatch, clock=LoopClock(), fixed=fixed)
         self.dispatcher = Dispatcher(
             self.roster,
             dispatch,
@@ -89,8 +95,15 @@ class EncodeServer:
             dtype=model.dtype,
             cache_enabled=rank_cache,
         )
+        self.elastic = None
+        if scaling is not None:
+            seconds = lambda: self.dispatcher.seconds_model  # noqa: E731 - read at each tick
+            directory = ServeDirectory(ranks)
+            self.elastic = Elastic(self.roster, fixed, scaling, seconds, directory)
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
         self.metrics = IngressMetrics(len(ranks))
+        self.roster.on_change = lambda: self.metrics.ranks_live(len(self.roster.takes_work()))
+        self.roster.on_change()
         self.fanout = FanOut(
             self.roster,
             self.dispatcher,
@@ -114,6 +127,7 @@ class EncodeServer:
         """JSON (``EncodeRequest``) or multipart upload (``image`` files); see docs/api.md."""
         # Serve's proxy sets X-Request-ID (the client's, else a new one), returns it in the
         # response and carries it to the ranks' log records.
+        self._scale()
         with self.metrics.trace(request.headers.get("x-request-id", "")) as trace:
             self.api_key.check(request)
             with self.bodies.take():
@@ -133,7 +147,8 @@ class EncodeServer:
     @api.get("/v1/info", response_model=InfoResponse, summary="Model, dims and each rank's state")
     async def info(self, request: Request) -> Any:
         self.api_key.check(request)
-        ranks = await asyncio.gather(*(self._rank_info(r) for r in self.roster.ranks))
+        self._scale()
+        ranks = await asyncio.gather(*(self._rank_info(r) for r in range(len(self.roster))))
         return {
             "model": self.model_name,
             **self.vision.summary(),
@@ -142,6 +157,8 @@ class EncodeServer:
             "device": self.model.device,
             "preprocess_backend": self.model.preprocess_backend,
             "dp_size": len(self.roster),
+            "ranks_live": sorted(self.roster.takes_work()),
+            "scaling": self.elastic.info() if self.elastic is not None else None,
             "assignment": self.dispatcher.info(),
             "failover": self.roster.info(),
             "ingress_cache": self.kept.info() if self.kept is not None else None,
@@ -167,6 +184,7 @@ class EncodeServer:
     @api.post("/encode", summary="sglang 0.5.23 encoder: encode one part, push it over ZMQ")
     async def sglang_encode(self, request: Request) -> Response:
         """One part of an sglang prefill's images; answered once its frames are sent."""
+        self._scale()
         with self.metrics.trace(request.headers.get("x-request-id", "")) as trace:
             await self.handoff.encode(request, trace)
         return JSONResponse(None)
@@ -181,11 +199,24 @@ class EncodeServer:
         await self.handoff.check_health()
         return {"status": "ok"}
 
-    async def _rank_info(self, rank: RankHandle) -> dict[str, Any]:
-        call = rank.info()
+    async def check_health(self) -> None:
+        """Serve's periodic health check of this replica: also starts the elastic loop of
+        a replica that has had no request yet."""
+        self._scale()
+
+    def _scale(self) -> None:
+        if self.elastic is not None:
+            self.elastic.start()
+
+    async def _rank_info(self, rank: int) -> dict[str, Any]:
+        """A rank's own report, with the roster's view; ranks the roster sends no call
+        (parked, starting, given no work) only the latter: a call would keep them."""
+        seen = self.roster.rank_info(rank)
+        if seen["state"] not in (LIVE, DOWN):
+            return seen
+        call = self.roster.ranks[rank].info()
         try:
-            return await asyncio.wait_for(call, RANK_INFO_TIMEOUT_S)
+            return {**await asyncio.wait_for(call, RANK_INFO_TIMEOUT_S), **seen}
         except Exception as exc:  # noqa: BLE001 - a sick rank is reported, not raised
             call.cancel()
-            error = f"{type(exc).__name__}: {exc}"
-            return {"rank": rank.rank, "state": "unavailable", "error": error}
+            return {**seen, "state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}

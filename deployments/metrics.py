@@ -83,6 +83,12 @@ DEFINITIONS = (
         ("rank",),
         "Bytes of inputs, pixels and features a rank holds under memory leases now.",
     ),
+    (
+        "ranks_live",
+        "gauge",
+        (),
+        "Ranks with a running replica taking work, as one ingress replica sees them.",
+    ),
 )
 
 
@@ -184,6 +190,7 @@ class IngressMetrics:
         self.stage_ms = _make("stage_ms")
         self.inflight_patches = _make("inflight_patches")
         self.inflight_bytes = _make("inflight_bytes")
+        self.live = _make("ranks_live")
         # rank -> [requests, images, patches, bytes] dispatched and not yet answered.
         self.inflight = {rank: [0, 0, 0, 0] for rank in range(dp_size)}
         for rank in range(dp_size):
@@ -264,6 +271,10 @@ class IngressMetrics:
         finally:
             for rank, (images, patches, size) in loads.items():
                 self._add(rank, -1, -images, -patches, -size)
+
+    def ranks_live(self, count: int) -> None:
+        """How many ranks take work now (elastic ranks change it)."""
+        self.live.set(count)
 
     def load(self) -> list[dict[str, int]]:
         """Each rank's in-flight requests, images, patches and bytes (this ingress replica)."""

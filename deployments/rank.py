@@ -240,11 +240,17 @@ class EncoderRank:
         """Outstanding work by caller and the fitted cost model (polled by the ingress)."""
         return self.batcher.load()
 
+    async def hold(self, seconds: float) -> LoadReport:
+        """Answer the load report after ``seconds``: an elastic rank the ingress wants has
+        one such call open at all times, which keeps Serve from releasing its replica
+        (deployments/scaling.py)."""
+        await asyncio.sleep(seconds)
+        return self.batcher.load()
+
     def info(self) -> dict:
         return {
             **self.encoder.info(),
             "rank": self.rank,
-            "state": "ready",
             "pid": os.getpid(),
             "node_id": ray.get_runtime_context().get_node_id(),
             "load_s": round(self.load_s, 3),

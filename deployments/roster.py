@@ -62,6 +62,7 @@ from .records import LoadReport
 log = logging.getLogger("ray.serve")
 
 PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
+HOLD_S = 5.0  # each hold call of a wanted elastic rank lasts this long, then another follows
 REPORT_ANSWER_S = 0.2  # a routed load poll answers within this, or its rank is silent
 REPORT_OUTDATED_S = 1.0  # older than this a report is no view at all: a request waits for one
 
@@ -172,6 +173,11 @@ class RankClient(Protocol):
         a parked rank for a call that waits for one."""
         ...
 
+    def hold(self, seconds: float) -> Call:
+        """A call the rank answers (its ``LoadReport``) after ``seconds``: while one is
+        open, Serve counts a call in flight and keeps the rank's replica."""
+        ...
+
     async def replica_alive(self, replica: Any) -> bool:
         """Whether ``replica`` (one the rank answered from) still exists; unknown: True."""
         ...
@@ -185,6 +191,7 @@ class _Rank:
     wanted: bool = True  # live and wanted: takes work; live and not wanted: draining
     since: float = -math.inf  # when the phase or wanted last changed
     why: str = ""  # the last scaling reason
+    note: str = ""  # Serve's status message while it starts
     generation: int = 0  # +1 each time its replica is released: its cache with it
     # Health: None is up; else when the next probe may go.
     down_until: float | None = None
@@ -197,7 +204,6 @@ class _Rank:
     # Load and progress.
     own: Work = field(default_factory=Work)  # dispatched by this replica, not answered yet
     calls: int = 0  # calls of this replica in flight on it
-    last_call: float = -math.inf  # when this replica last sent it a call
     report: LoadReport | None = None
     reported_at: float = -math.inf  # time.monotonic() of the report (its age)
     heard: float = -math.inf  # last progress seen
@@ -293,6 +299,11 @@ class Roster:
             r.generation += 1  # its replica (and its cache) is gone, or going
         r.phase, r.wanted, r.why, r.since = phase, wanted, why, self.clock()
         log.info("rank %d %s: %s", rank, self.state(rank), why)
+        hold = self._tasks.get(("hold", rank))
+        if rank >= self.fixed and phase == LIVE and wanted:
+            self._start_task("hold", rank, self._hold(rank))
+        elif hold is not None:
+            hold.cancel()  # no call at all from now on: Serve releases it once idle
         if self.takes_work() != before:
             self.on_change()
 
@@ -303,7 +314,7 @@ class Roster:
         """A call of this replica on ``rank``, carrying ``work`` (its expected misses),
         until it is answered or given up."""
         r = self._ranks[rank]
-        r.own, r.calls, r.last_call = r.own + work, r.calls + 1, self.clock()
+        r.own, r.calls = r.own + work, r.calls + 1
         try:
             yield
         finally:
@@ -526,56 +537,96 @@ class Roster:
                 self.observe(rank, report)
             self.mark_up(rank, getattr(call, "replica", None), started)
 
-    # --- elastic ranks (driven by scaling.Scaler) --------------------------------------
+    # --- elastic ranks (driven by scaling.Elastic) -------------------------------------
+
+    def phase(self, rank: int) -> str:
+        """LIVE, STARTING or PARKED: whether the rank has a replica that answers."""
+        return self._ranks[rank].phase
+
+    def is_wanted(self, rank: int) -> bool:
+        """Wanted by this replica: taking work (or down for now), or starting."""
+        r = self._ranks[rank]
+        return r.wanted and r.phase in (LIVE, STARTING)
 
     def want(self, rank: int, why: str) -> None:
-        """Give ``rank`` work again (draining) or start it (parked: woken by a call that
-        waits for a replica, for at most ``start_timeout_s``)."""
+        """Give ``rank`` work again (draining), or mark it starting (parked: ``wake``)."""
         r = self._ranks[rank]
         if r.phase == LIVE:
             self._set(rank, LIVE, True, why)
         elif r.phase == PARKED:
+            r.note = ""
             self._set(rank, STARTING, True, why)
 
-    def wake(self, rank: int, start_timeout_s: float) -> None:
-        """Send the call that starts a parked rank (``want`` made it ``starting``)."""
-        self._start_task("wake", rank, self._wake(rank, start_timeout_s))
+    def wake(self, rank: int, start_timeout_s: float, failed: Callable[[int], None]) -> None:
+        """Send the call that starts a starting rank: a load report routed until a replica
+        answers it, for at most ``start_timeout_s``; ``failed(rank)`` if none does."""
+        self._start_task("wake", rank, self._wake(rank, start_timeout_s, failed))
 
     def unwant(self, rank: int, why: str) -> None:
-        """No new work for ``rank``: its calls finish, then Serve releases its replica."""
+        """No new call for ``rank`` (no work, no poll): its calls finish, then Serve
+        releases its replica."""
         r = self._ranks[rank]
         if r.phase == LIVE and r.wanted:
             self._set(rank, LIVE, False, why)
 
     def released(self, rank: int, why: str) -> None:
-        """The rank has no replica (Serve released it, or it could not start)."""
+        """The rank has no replica any more: parked, and what it cached is forgotten."""
         r = self._ranks[rank]
         if r.phase != PARKED:
             self._set(rank, PARKED, False, why)
-        r.down_until, r.report, r.heard, r.progress = None, None, -math.inf, None
+        r.down_until, r.report, r.heard, r.progress, r.replica = None, None, -math.inf, None, None
 
-    def idle_for(self, rank: int) -> float:
-        """Seconds (clock) since this replica last sent ``rank`` a call; 0 with one in
-        flight."""
+    def adopt(self, rank: int, why: str) -> None:
+        """A rank this replica took for parked runs (another ingress replica woke it):
+        live, given no work by this replica until it wants it."""
+        if self._ranks[rank].phase == PARKED:
+            self._set(rank, LIVE, False, why)
+
+    def note(self, rank: int, message: str) -> None:
+        """Serve's status message for a starting rank (why no replica runs yet)."""
         r = self._ranks[rank]
-        return 0.0 if r.calls else self.clock() - r.last_call
+        if message != r.note:
+            r.note = message
+            log.info("rank %d starting: %s", rank, message)
 
-    async def _wake(self, rank: int, start_timeout_s: float) -> None:
+    async def _hold(self, rank: int) -> None:
+        """Keep one call open on a wanted elastic rank, so Serve keeps its replica however
+        long this replica leaves it without work; each answer is a load report."""
+        r = self._ranks[rank]
+        while r.phase == LIVE and r.wanted:
+            started = self.clock()
+            call = self.ranks[rank].hold(HOLD_S)
+            try:
+                report = await call
+            except asyncio.CancelledError:
+                call.cancel()
+                raise
+            except Exception as exc:  # noqa: BLE001 - judged as a failed poll; held again later
+                if isinstance(exc, RankUnavailableError) and not exc.slow:
+                    self.mark_down(exc, started)
+                await asyncio.sleep(self.cooldown_s)
+                continue
+            self.observe(rank, report)
+
+    async def _wake(self, rank: int, timeout_s: float, failed: Callable[[int], None]) -> None:
         r = self._ranks[rank]
         started = self.clock()
         call = self.ranks[rank].wake()
         try:
             with self.dispatched(rank, Work()):
-                report = await asyncio.wait_for(call, start_timeout_s)
+                report = await asyncio.wait_for(call, timeout_s)
         except Exception as exc:  # noqa: BLE001 - it did not start: the live ranks serve
             call.cancel()
-            if r.phase == STARTING:
-                why = (
-                    f"no replica answered within start_timeout_s={start_timeout_s:g} s"
-                    if isinstance(exc, asyncio.TimeoutError)
-                    else f"its start failed ({type(exc).__name__}: {exc})"
-                )
-                self._set(rank, PARKED, False, f"could not start: {why}")
+            if r.phase != STARTING:
+                return
+            if isinstance(exc, asyncio.TimeoutError):
+                why = f"no replica answered within start_timeout_s={timeout_s:g} s"
+            else:
+                why = f"its start failed ({type(exc).__name__}: {exc})"
+            serve_says = f"; Serve: {r.note}" if r.note else ""
+            log.warning("rank %d could not start: %s%s", rank, why, serve_says)
+            self._set(rank, PARKED, False, f"could not start: {why}{serve_says}")
+            failed(rank)
             return
         if r.phase != STARTING:
             return

@@ -260,7 +260,13 @@ class RankInfo(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     rank: int
-    state: str = Field(description="'ready', or 'unavailable' with an 'error'.")
+    state: str = Field(
+        description="As this ingress replica sees the rank: 'live' (taking work), 'draining' "
+        "(given no new work: its replica is released once idle), 'starting', 'parked' (no "
+        "replica), 'down' (failed, late or silent: see failover.down), or 'unavailable' "
+        "(its info call failed, with an 'error'). Live and down ranks add their own report."
+    )
+    scaling_reason: str = Field("", description="Why the rank last started, drained or parked.")
 
 
 class InfoResponse(BaseModel):
@@ -274,7 +280,16 @@ class InfoResponse(BaseModel):
     dtype: str
     device: str
     preprocess_backend: str = Field(description="Default backend of requests.")
-    dp_size: int
+    dp_size: int = Field(description="Ranks there can be (dp_size, or its max when elastic).")
+    ranks_live: list[int] = Field(
+        description="Ranks with a running replica taking work from this ingress replica."
+    )
+    scaling: dict[str, Any] | None = Field(
+        None,
+        description="Elastic ranks (null with a fixed dp_size): dp_min, dp_max, the ranks "
+        "wanted now, the queued work in seconds, target_queue_s and the latest decisions "
+        "(scale up or down, rank, why).",
+    )
     assignment: dict[str, Any] | None = Field(
         None,
         description="Owner assignment at this ingress replica: caller (the replica's id in "

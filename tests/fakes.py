@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 
 import numpy as np
 
+from deployments.args import DispatchArgs
 from deployments.records import LoadReport, Progress, RankReply
+from deployments.roster import Roster
 from deployments.sinks import EcFiles, Written
 from kimi_encoder.config import get_preset
 from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderItem
+from kimi_encoder.load import Work
 
 PRESET = get_preset("tiny")
 VISION = PRESET.vision
@@ -52,6 +56,7 @@ class FakeRank:
         self.sinks: list = []  # each call's sink (None: features come back)
         self.cancelled = 0
         self.pushes: list = []  # (part, features) of each push
+        self.holds = self.released = 0  # hold calls sent, and cancelled
         self.push_behaviour = None
 
     def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
@@ -102,3 +107,56 @@ class FakeRank:
 
     def wake(self) -> FakeCall:
         return self.load()
+
+    def hold(self, seconds: float) -> FakeCall:
+        """Open until cancelled (the test's time is not the hold's)."""
+        self.holds += 1
+
+        async def held():
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.released += 1
+                raise
+
+        return FakeCall(held())
+
+
+def make_roster(
+    ranks, cooldown_s: float = 60.0, clock=time.monotonic, fixed=None, **dispatch
+) -> Roster:
+    """A roster of ``ranks`` with the default dispatch settings but exact load reports
+    (every request polls) and ``cooldown_s``; ``dispatch`` overrides others; ``fixed``:
+    how many ranks always run (None: all)."""
+    settings = {"load_report_interval_ms": 0, "cooldown_s": cooldown_s, **dispatch}
+    return Roster(ranks, DispatchArgs(**settings), clock=clock, fixed=fixed)
+
+
+class Clock:
+    """A clock the test moves by hand (the ``Roster``'s ``clock``); counts its reads, so a
+    test can wait until the fan-out has looked at the time it set."""
+
+    def __init__(self):
+        self.now = 1000.0
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return self.now
+
+    async def seen(self, reads: int = 3) -> None:
+        """Until the fan-out has read the clock ``reads`` more times (a full wake and check)."""
+        until = self.reads + reads
+
+        async def reading() -> None:
+            while self.reads < until:
+                await asyncio.sleep(0.001)
+
+        # A fan-out that stopped reading the clock has ended (or hangs): fail, do not wait.
+        await asyncio.wait_for(reading(), 30)
+
+
+def busy(answered: int, instance: str = "x") -> LoadReport:
+    """A load report of a rank that holds work and has answered ``answered`` calls."""
+    work = {"ingress-other": Work(3, 300, 30000)}
+    return LoadReport(work, CostModel.patches(), Progress(instance, answered))

@@ -135,7 +135,7 @@ def rank_calls(url: str) -> list[int]:
 def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, int]:
     """Rank pids from /v1/info, plus the ingress replica's pid from its process title."""
     info = requests.get(f"{url}/v1/info", headers=headers, timeout=30).json()
-    assert all(r["state"] == "ready" for r in info["ranks"]), info["ranks"]
+    assert all(r["state"] == "live" for r in info["ranks"]), info["ranks"]
     pids = {f"rank_{r['rank']}": r["pid"] for r in info["ranks"]}
     title = f"ServeReplica:{app}:EncodeServer".encode()
     for proc in Path("/proc").iterdir():

@@ -13,25 +13,16 @@ import time
 
 import numpy as np
 import pytest
-from fakes import PRESET, VISION, FakeCall, FakeRank, features_of
+from fakes import PRESET, VISION, Clock, FakeCall, FakeRank, busy, features_of, make_roster
 from images import image_bytes
 
 from deployments.args import DispatchArgs
 from deployments.dispatch import Dispatcher
 from deployments.fanout import FanOut, NoRankAvailableError, RequestTimeoutError
-from deployments.records import LoadReport, Progress, RankReply
-from deployments.roster import LoopClock, RankUnavailableError, Roster
+from deployments.records import RankReply
+from deployments.roster import RankUnavailableError
 from deployments.sinks import EcDestination, EcFiles, Written
-from kimi_encoder.cost import CostModel
 from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
-from kimi_encoder.load import Work
-
-
-def make_roster(ranks, cooldown_s: float = 60.0, clock=time.monotonic, **dispatch) -> Roster:
-    """A roster of ``ranks`` with the default dispatch settings but exact load reports
-    (every request polls) and ``cooldown_s``; ``dispatch`` overrides others."""
-    settings = {"load_report_interval_ms": 0, "cooldown_s": cooldown_s, **dispatch}
-    return Roster(ranks, DispatchArgs(**settings), clock=clock)
 
 
 def fan_out(
@@ -185,36 +176,6 @@ def test_timeout_is_the_clients_wall_time_when_the_health_clock_stands_still():
     assert roster.down() == set()  # no time passed on its clock: nobody was late
 
 
-def test_loop_clock_stands_still_while_the_loop_lags():
-    """Wall time is the test's: the loop "stalls" 3 s (no tick runs), and the clock holds
-    at the tick that was due, across the late tick, then runs on from there."""
-    wall = [100.0]
-    clock = LoopClock(tick_s=0.01, wall=lambda: wall[0])
-    assert clock() == 100.0  # no running loop: plain wall time
-
-    async def scenario() -> list[float]:
-        seen = [clock()]  # starts the ticker
-        await asyncio.sleep(0)  # its first step: the next tick is due at 100.01
-        wall[0] = 100.005
-        seen.append(clock())  # not due yet: runs with the wall
-        wall[0] = 103.0  # three seconds in which the loop ran nothing
-        seen.append(clock())  # stands at the due tick
-        await asyncio.wait_for(_until(lambda: clock.lag > 0), 10)  # the late tick runs
-        seen.append(clock())  # the lag is counted now: still the same
-        wall[0] = 103.004
-        seen.append(clock())  # and it runs on
-        return seen
-
-    seen = asyncio.run(scenario())
-    assert seen == pytest.approx([100.0, 100.005, 100.01, 100.01, 100.014])
-    assert clock.lag == pytest.approx(2.99)
-
-
-async def _until(condition) -> None:
-    while not condition():
-        await asyncio.sleep(0.001)
-
-
 def test_duplicates_are_encoded_once_and_share_their_features():
     ranks = [FakeRank(0), FakeRank(1)]
     fanout, _ = fan_out(ranks)
@@ -225,20 +186,6 @@ def test_duplicates_are_encoded_once_and_share_their_features():
     sent = sorted(i for r in ranks for call in r.calls for i in call)
     assert sent == [0, 1, 3]  # the copies at 2 and 4 were never sent
     assert gathered.owners[2] == gathered.owners[4] == gathered.owners[0]
-
-
-def test_a_rank_that_answers_its_probe_takes_work_again():
-    async def scenario():
-        ranks = [FakeRank(0), FakeRank(1)]
-        _, roster = fan_out(ranks, cooldown_s=1e-3)
-        roster.mark_down(RankUnavailableError(1, ConnectionError("replaced")), roster.clock())
-        assert roster.down() == {1}
-        await roster._tasks["probe", 1]  # the background probe: cool-down 0, then rank 1's load()
-        return roster
-
-    roster = asyncio.run(scenario())
-    assert roster.down() == set()
-    assert roster.recoveries == [0, 1]
 
 
 def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
@@ -289,25 +236,6 @@ def test_first_answer_wins_when_the_late_call_answers_before_its_copy():
     assert all(gathered.owners[i] == 1 for i in share)
     assert ranks[0].cancelled == 1  # the copy was the duplicate
     assert roster.down() == set()  # rank 1 answered: slow, not dead
-
-
-def test_health_is_ordered_by_time_and_replica():
-    async def scenario():
-        roster = make_roster([FakeRank(0)])
-        t0 = time.monotonic()
-        roster.mark_down(RankUnavailableError(0, "died", replica="A"), t0)
-        roster.mark_up(0, "A", started=t0 - 1)  # began before the failure, same replica
-        stale = roster.down()
-        roster.mark_up(0, "B", started=t0 - 1)  # its replacement answered
-        replaced = roster.down()
-        roster.mark_down(RankUnavailableError(0, "late error", replica="A"), t0 - 2)
-        return stale, replaced, roster.down(), roster.ignored
-
-    stale, replaced, after_old_error, ignored = asyncio.run(scenario())
-    assert stale == {0}
-    assert replaced == set()
-    assert after_old_error == set()
-    assert ignored == 1
 
 
 def test_slow_ranks_still_take_work_when_no_rank_is_up():
@@ -417,24 +345,6 @@ def test_when_no_rank_routes_in_time_the_request_waits_for_routing_not_503():
     assert [r.cancelled for r in ranks] == [0, 0]
 
 
-def test_lateness_does_not_soften_a_failure():
-    """A rank marked down for failing stays failed when a later call of it is merely late
-    (with every rank failed, requests are refused at once instead of waiting on it)."""
-
-    async def scenario():
-        roster = make_roster([FakeRank(0)])
-        roster.mark_down(RankUnavailableError(0, ConnectionError("actor died")), roster.clock())
-        roster.mark_down(
-            RankUnavailableError(0, "no replica took the call", slow=True), roster.clock()
-        )
-        return roster
-
-    roster = asyncio.run(scenario())
-    assert roster.failed() == {0}
-    assert roster.excluded() == {0}
-    assert "actor died" in roster.info()["down"][0]
-
-
 def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
     """Both ranks' calls wait for a replica past the route timeout (late, nowhere to
     hedge), then both ranks fail (their replicas died): the calls are dropped and the
@@ -461,40 +371,6 @@ def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
     assert error.retry_after_s >= 1
 
 
-class Registry(FakeRank):
-    """A rank client whose replicas ``gone`` no longer exist (Ray's named-actor registry)."""
-
-    def __init__(self, rank: int, gone: set[str]):
-        super().__init__(rank)
-        self.gone = gone
-
-    async def replica_alive(self, replica) -> bool:
-        return replica not in self.gone
-
-
-@pytest.mark.parametrize(("gone", "failed"), [(set(), set()), ({"r0"}, {0})], ids=["alive", "gone"])
-def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
-    """Late routing looks the same for a starved machine and a dead rank; the rank's last
-    replica, looked up, tells them apart: gone makes the rank failed (its unrouted calls
-    are dropped, see the 503 test above), alive leaves it slow (it still gets work when
-    no rank is up)."""
-
-    async def scenario():
-        roster = make_roster([Registry(0, gone)])
-        roster.mark_up(0, "r0", time.monotonic())
-        roster.mark_down(
-            RankUnavailableError(0, "no replica took the call", slow=True), roster.clock()
-        )
-        await asyncio.wait_for(roster._tasks["look-up", 0], 5)
-        return roster
-
-    roster = asyncio.run(scenario())
-    assert roster.down() == {0}
-    assert roster.failed() == failed
-    if failed:
-        assert "its replica r0 is gone" in roster.info()["down"][0]
-
-
 def test_a_refilled_answer_puts_each_resent_image_back_in_its_place():
     from deployments.handles import _refilled
 
@@ -515,30 +391,6 @@ def test_a_refilled_answer_puts_each_resent_image_back_in_its_place():
 # --- load is not failure: lateness counts from the rank's last progress ---------------
 
 
-class Clock:
-    """A clock the test moves by hand (``RankHealth``'s ``clock``); counts its reads, so a
-    test can wait until the fan-out has looked at the time it set."""
-
-    def __init__(self):
-        self.now = 1000.0
-        self.reads = 0
-
-    def __call__(self) -> float:
-        self.reads += 1
-        return self.now
-
-    async def seen(self, reads: int = 3) -> None:
-        """Until the fan-out has read the clock ``reads`` more times (a full wake and check)."""
-        until = self.reads + reads
-
-        async def reading() -> None:
-            while self.reads < until:
-                await asyncio.sleep(0.001)
-
-        # A fan-out that stopped reading the clock has ended (or hangs): fail, do not wait.
-        await asyncio.wait_for(reading(), 30)
-
-
 class Held(FakeRank):
     """A rank whose encode calls wait until ``go`` is set; ``sent`` is set by the first."""
 
@@ -549,12 +401,6 @@ class Held(FakeRank):
     async def _hold(self, rank, indices, items):
         self.sent.set()
         await self.go.wait()
-
-
-def busy(answered: int, instance: str = "x") -> LoadReport:
-    """A load report of a rank that holds work and has answered ``answered`` calls."""
-    work = {"ingress-other": Work(3, 300, 30000)}
-    return LoadReport(work, CostModel.patches(), Progress(instance, answered))
 
 
 @pytest.mark.parametrize("progress", [True, False], ids=["answering", "hung"])
@@ -657,23 +503,6 @@ def test_an_unrouted_call_of_a_rank_that_answers_is_queued_not_late():
     assert all(gathered.owners[i] == 0 for i in share)
 
 
-def test_a_missed_report_of_a_rank_that_answers_is_not_silence():
-    async def scenario():
-        clock = Clock()
-        ranks = [FakeRank(0), FakeRank(1)]
-        _, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
-        roster.observe(1, busy(1))
-        roster.missed_report(1, TimeoutError())  # its poll waited in the queue of a busy rank
-        busy_rank = roster.down()
-        clock.now += roster.slow_after_s
-        roster.missed_report(1, TimeoutError())  # and now it has been quiet for slow_after_s
-        return busy_rank, roster.down()
-
-    busy_rank, quiet = asyncio.run(scenario())
-    assert busy_rank == set()
-    assert quiet == {1}
-
-
 def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
     """A poll that waits in a busy queue says nothing while this replica has calls on the
     rank: their lateness (from the rank's progress) judges it. With none in flight,
@@ -702,24 +531,6 @@ def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
     assert with_a_call == set()
     assert one_miss == set()
     assert without == {1}
-
-
-def test_progress_is_an_answered_count_that_moves_or_an_idle_rank():
-    roster = make_roster([FakeRank(0)], clock=(clock := Clock()))
-    assert roster.quiet_from(0, 5.0) == 5.0  # never heard from
-    roster.observe(0, busy(3))
-    assert roster.quiet_from(0, 5.0) == 1000.0  # a first report is progress
-    clock.now = 1010.0
-    roster.observe(0, busy(3))  # the same count, work outstanding: no progress
-    assert roster.quiet_from(0, 5.0) == 1000.0
-    roster.observe(0, busy(0, instance="y"))
-    assert roster.quiet_from(0, 5.0) == 1010.0  # another process (a replacement)
-    clock.now = 1020.0
-    roster.observe(0, LoadReport({}, CostModel.patches(), Progress("y", 0)))
-    assert roster.quiet_from(0, 5.0) == 1020.0  # idle: nothing to make progress on
-    clock.now = 1030.0
-    roster.heard(0)  # an encode answer
-    assert roster.quiet_from(0, 5.0) == 1030.0
 
 
 def test_a_destination_goes_to_each_call_as_the_entries_of_its_images():

@@ -77,7 +77,7 @@ def both_ranks_ready(url: str) -> None:
     deadline = time.monotonic() + 120
     while True:
         ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
-        if all(r.get("state") == "ready" for r in ranks):
+        if all(r.get("state") == "live" for r in ranks):
             return
         assert time.monotonic() < deadline, ranks
         time.sleep(0.2)

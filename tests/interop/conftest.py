@@ -111,7 +111,7 @@ def _ready(url: str) -> bool:
         ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
     except (requests.RequestException, ValueError, KeyError):  # proxy or app not up yet
         return False
-    return all(rank["state"] == "ready" for rank in ranks)
+    return all(rank["state"] == "live" for rank in ranks)
 
 
 @pytest.fixture(scope="session")

@@ -384,7 +384,7 @@ def test_rank_killed_while_a_part_is_in_flight(service, sglang_log):
     deadline = time.monotonic() + 180
     while True:
         ranks = info(url)["ranks"]
-        if all(r["state"] == "ready" for r in ranks) and ranks[killed].get("pid") != pids[killed]:
+        if all(r["state"] == "live" for r in ranks) and ranks[killed].get("pid") != pids[killed]:
             break
         assert time.monotonic() < deadline, f"rank {killed} was not replaced: {ranks}"
         time.sleep(1)

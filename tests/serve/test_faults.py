@@ -105,7 +105,7 @@ def pids(url: str) -> list[int | None]:
 def leases_idle(url: str) -> bool:
     ranks = info(url)["ranks"]
     return all(
-        r.get("state") == "ready"
+        r.get("state") == "live"
         and r["leases"]["inflight_bytes"] == 0
         and r["leases"]["leases_granted"] == r["leases"]["leases_released"]
         for r in ranks
