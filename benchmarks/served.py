@@ -139,7 +139,7 @@ class ServeRun:
         return self
 
     def wait_ready(self, timeout_s: float) -> float:
-        """Seconds until every app's ranks answer ``/v1/info`` as ready."""
+        """Seconds until every app's ranks answer ``/v1/info`` as live."""
         deadline = time.monotonic() + timeout_s
         waiting = [app["route_prefix"] for app in self.config["applications"]]
         while waiting:
@@ -147,7 +147,7 @@ class ServeRun:
                 raise RuntimeError(f"serve run exited with {self.proc.returncode}: {self.tail()}")
             try:
                 ranks = get_json(self.client, f"{waiting[0]}/v1/info")["ranks"]
-                if all(rank.get("state") == "ready" for rank in ranks):
+                if all(rank.get("state") == "live" for rank in ranks):
                     waiting.pop(0)
                     continue
             except (OSError, ValueError, KeyError):

@@ -79,7 +79,9 @@ class RankCall:
     """One call to a rank, running as a task from creation: route, dispatch, await.
     ``replica`` is the replica that took it (None until routed). With ``route_timeout_s``
     a call no replica took in that time fails as a *slow* ``RankUnavailableError``;
-    without, it routes until it is cancelled."""
+    without, it routes until it is cancelled. ``full_is_slow``: a rank whose queue is full
+    (Serve's back-pressure) is busy, a *slow* error too (a load poll); otherwise the
+    call's work goes elsewhere at once (an encode call)."""
 
     def __init__(
         self,
@@ -88,11 +90,13 @@ class RankCall:
         route_timeout_s: float | None,
         *args,
         refill: Refill | None = None,
+        full_is_slow: bool = False,
         **kw,
     ):
         self.rank = rank
         self.replica: str | None = None
         self._refill = refill
+        self._full_is_slow = full_is_slow
         self._task = asyncio.ensure_future(self._run(handle, route_timeout_s, args, kw))
 
     def __await__(self) -> Any:
@@ -129,7 +133,8 @@ class RankCall:
                 slow=True,
             ) from None
         except UNAVAILABLE as exc:
-            raise self._unavailable(exc) from exc
+            busy = self._full_is_slow and isinstance(exc, BackPressureError)
+            raise self._unavailable(exc, slow=busy) from exc
         self.replica = selection.replica_id
         failure: BaseException | None = None
         try:
@@ -283,7 +288,7 @@ class RankHandle:
         return self._call("push", None, part, list(stored))
 
     def load(self) -> RankCall:
-        return self._call("load", self.route_timeout_s)
+        return self._call("load", self.route_timeout_s, full_is_slow=True)
 
     def hold(self, seconds: float) -> RankCall:
         return self._call("hold", None, seconds)
