@@ -126,3 +126,14 @@ def summary(outcomes: list[Outcome]) -> dict:
         "p99_s": round(float(np.percentile(seconds, 99)), 3),
         "max_s": round(float(seconds.max()), 3),
     }
+
+
+def wait_rejoined(load: Load, rank: int, since: float, within_s: float) -> float:
+    """Seconds after ``since`` until a checked answer came from ``rank``."""
+    deadline = since + within_s
+    while time.monotonic() < deadline:
+        answered = [o for o in load.since(since) if o.status == 200 and rank in o.owners]
+        if answered:
+            return min(o.sent + o.seconds for o in answered) - since
+        time.sleep(0.2)
+    raise AssertionError(f"rank {rank} did not take work within {within_s} s")

@@ -15,7 +15,7 @@ import time
 import pytest
 import ray
 import requests
-from load import Load, pool, summary
+from load import Load, pool, summary, wait_rejoined
 from ray import serve
 from serve_helpers import app_args, b64, replica_actor, replica_actor_name
 
@@ -64,23 +64,12 @@ def rank_pid(url: str, rank: int) -> int:
     return info(url)["ranks"][rank]["pid"]
 
 
-def wait_rejoined(load: Load, rank: int, since: float) -> float:
-    """Seconds after ``since`` until a checked answer came from ``rank``."""
-    deadline = since + REJOIN_BOUND_S
-    while time.monotonic() < deadline:
-        answered = [o for o in load.since(since) if o.status == 200 and rank in o.owners]
-        if answered:
-            return min(o.sent + o.seconds for o in answered) - since
-        time.sleep(0.2)
-    raise AssertionError(f"rank {rank} did not take work within {REJOIN_BOUND_S} s")
-
-
 def test_one_rank_killed_under_load(url, chaos_images):
     with Load(url, *chaos_images, clients=8) as load:
         time.sleep(RUN_S / 3)  # load before the fault: a measuring window, no sync needed
         killed_at = time.monotonic()
         ray.kill(replica_actor(APP, 1), no_restart=True)
-        rejoin_s = wait_rejoined(load, 1, killed_at)
+        rejoin_s = wait_rejoined(load, 1, killed_at, REJOIN_BOUND_S)
         time.sleep(max(0.0, killed_at + 2 * RUN_S / 3 - time.monotonic()))
     outcomes = load.outcomes
     figures, before = summary(outcomes), summary(load.since(0.0, killed_at))
@@ -103,7 +92,7 @@ def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
         killed_at = time.monotonic()
         for rank in (0, 1):
             ray.kill(replica_actor(APP, rank), no_restart=True)
-        rejoin_s = wait_rejoined(load, 0, killed_at)
+        rejoin_s = wait_rejoined(load, 0, killed_at, REJOIN_BOUND_S)
     around = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
     figures = summary(around)
     print(f"\nboth ranks killed: {figures}; served again {rejoin_s:.1f} s after")
@@ -176,7 +165,7 @@ def test_a_hung_rank_is_routed_around_and_rejoins(url, chaos_images):
         finally:
             os.kill(pid, signal.SIGCONT)
         resumed_at = time.monotonic()
-        rejoin_s = wait_rejoined(load, 1, resumed_at)
+        rejoin_s = wait_rejoined(load, 1, resumed_at, REJOIN_BOUND_S)
     during = load.since(stopped_at, resumed_at)
     elsewhere = [o for o in during if o.status == 200 and 1 not in o.owners]
     figures, other = summary(during), summary(elsewhere)

@@ -1,0 +1,95 @@
+"""The chaos promises with elastic ranks: an elastic rank killed under load loses nothing,
+and with every rank killed requests are answered 503 at once, not held for a start.
+
+A ``dp_size: {min: 1, max: 2}`` app under 8 closed-loop clients (``load.py``, every
+answer checked against the in-process encoder), scaled so the small chaos images start
+rank 1 at once and keep it (a tiny queue target, a long scale-down window): the faults
+hit a set of ranks the ingress grew itself. The measured figures are printed (``pytest
+-s``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+import requests
+from load import Load, pool, summary, wait_rejoined
+from serve_helpers import app_args, replica_actor, served
+
+pytestmark = pytest.mark.chaos
+
+APP = "chaos_elastic"
+RUN_S = 20  # load around the fault
+REJOIN_BOUND_S = 120  # as tests/chaos/test_ranks.py: a replacement's start on a busy core
+PROMPT_S = 3.0  # "at once", as tests/chaos/test_ranks.py bounds it on a loaded machine
+SCALING = {"target_queue_s": 1e-4, "upscale_after_s": 0.5, "downscale_after_s": 3600}
+
+
+@pytest.fixture(scope="module")
+def url(serve_url):
+    args = app_args(
+        dp_size={"min": 1, "max": 2},
+        ranks={"cache_bytes": 0},
+        dispatch={"cooldown_s": 1.0},
+        scaling=SCALING,
+    )
+    with served(serve_url, APP, args) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def chaos_images(reference):
+    return pool(reference)
+
+
+def info(url: str) -> dict:
+    return requests.get(f"{url}/v1/info", timeout=30).json()
+
+
+def both_live(url: str, load: Load) -> None:
+    """Until the load has started rank 1 and it has answered a request."""
+    deadline = time.monotonic() + REJOIN_BOUND_S
+    while info(url)["ranks_live"] != [0, 1]:
+        assert time.monotonic() < deadline, info(url)["ranks"]
+        time.sleep(0.2)
+    wait_rejoined(load, 1, time.monotonic(), REJOIN_BOUND_S)
+
+
+def test_an_elastic_rank_killed_under_load_loses_nothing(url, chaos_images):
+    with Load(url, *chaos_images, clients=8) as load:
+        both_live(url, load)
+        time.sleep(3)  # load on both ranks before the fault
+        killed_at = time.monotonic()
+        ray.kill(replica_actor(APP, 1), no_restart=True)
+        rejoin_s = wait_rejoined(load, 1, killed_at, REJOIN_BOUND_S)
+        time.sleep(max(0.0, killed_at + RUN_S - time.monotonic()))
+    figures = summary(load.outcomes)
+    print(f"\nelastic rank 1 killed: {figures}; its replacement took work {rejoin_s:.1f} s after")
+    assert figures["wrong"] == 0
+    assert figures["lost"] == 0
+    assert figures["statuses"] == {200: figures["requests"]}
+    assert info(url)["ranks_live"] == [0, 1]  # still wanted: Serve replaced it
+
+
+def test_every_rank_killed_is_200_or_503_at_once(url, chaos_images):
+    with Load(url, *chaos_images, clients=8) as load:
+        both_live(url, load)
+        killed_at = time.monotonic()
+        for rank in (0, 1):
+            ray.kill(replica_actor(APP, rank), no_restart=True)
+        rejoin_s = wait_rejoined(load, 0, killed_at, REJOIN_BOUND_S)
+    around = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
+    figures = summary(around)
+    waits = [o.sent + o.seconds - max(o.sent, killed_at) for o in around if o.status == 503]
+    print(f"\nevery rank killed: {figures}; 503s answered within {max(waits, default=0):.2f} s "
+          f"of the kill or their sending; served again {rejoin_s:.1f} s after")  # fmt: skip
+    assert figures["wrong"] == 0
+    assert figures["lost"] == 0
+    assert set(figures["statuses"]) <= {200, 503}
+    assert 503 in figures["statuses"]
+    for o in around:
+        if o.status == 503:
+            assert int(o.retry_after) >= 1, o
+        assert o.sent + o.seconds - max(o.sent, killed_at) <= PROMPT_S, o
