@@ -24,20 +24,26 @@ ROOT = Path(__file__).resolve().parents[2]
 SURVIVE_BOUND_S = 30  # node removed -> the request in flight and three more answered 200
 
 
-def test_two_node_cluster_places_ranks_on_both_and_survives_a_node_loss():
+def findings(mode: str) -> dict:
+    """``multinode_cluster.py``'s findings in ``mode``, run in a subprocess."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), str(free_port())],
+        [sys.executable, str(SCRIPT), str(free_port()), mode],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=420,
     )
     lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
     assert lines, f"no result (rc {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     out = json.loads(lines[-1])
     print(f"\n{out}")
+    return out
+
+
+def test_two_node_cluster_places_ranks_on_both_and_survives_a_node_loss():
+    out = findings("fixed")
     assert sorted(out["rank_nodes"]) == sorted(out["workers"]), out  # one rank per worker node
     assert out["before"]["status"] == 200, out
     assert out["before"]["max_error"] <= 1e-5, out
@@ -47,3 +53,17 @@ def test_two_node_cluster_places_ranks_on_both_and_survives_a_node_loss():
         assert answer["max_error"] <= 1e-5, out
         assert set(answer["owners"]) == {0}, out  # only the surviving rank
     assert out["after_s"] < SURVIVE_BOUND_S, out
+
+
+def test_elastic_ranks_lose_no_request_to_a_node_loss_and_refill_on_a_spare_node():
+    """dp {min: 1, max: 2} on three single-slot worker nodes: the load starts rank 1, its
+    node is removed under that load, Serve starts rank 1 again on the spare node. Every
+    request is answered 200 with the reference's features (re-dispatched, none lost)."""
+    out = findings("elastic")
+    assert out["grew"], out
+    assert out["rank_nodes"][0] != out["rank_nodes"][1], out  # one rank per node
+    assert out["refilled"], out
+    assert out["rank_nodes_after"][1] not in (out["rank_nodes"][1], out["rank_nodes"][0]), out
+    assert out["statuses"] == [200], out
+    assert out["max_error"] <= 1e-5, out
+    assert out["owners"] == [0, 1], out
