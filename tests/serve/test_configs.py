@@ -35,7 +35,7 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
     the hand-off registry is one replica without CPUs; the config lists no per-deployment
     entry (nothing to override)."""
     assert "deployments" not in app
-    ranks = {rank_name(r) for r in range(args.dp_size)}
+    ranks = {rank_name(r) for r in range(args.dp_max)}
     assert set(built) == {INGRESS_NAME, REGISTRY_NAME, *ranks}
     registry = built.pop(REGISTRY_NAME)
     assert registry.num_replicas == 1
@@ -50,6 +50,15 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
         for field, value in options.model_dump().items():
             assert getattr(config, field) == value, (name, field)
     assert built[INGRESS_NAME].num_replicas == args.ingress.replicas
+    for rank in range(args.dp_max):  # elastic ranks scale between 0 and 1 replicas
+        autoscaling = built[rank_name(rank)]._deployment_config.autoscaling_config
+        if rank < args.dp_min:
+            assert autoscaling is None, rank
+            assert built[rank_name(rank)].num_replicas == 1, rank
+        else:
+            assert (autoscaling.min_replicas, autoscaling.max_replicas) == (0, 1), rank
+            assert autoscaling.initial_replicas == 0, rank
+            assert autoscaling.downscale_to_zero_delay_s == args.scaling.park_after_s, rank
 
 
 def test_k3_8gpu_config():
@@ -61,6 +70,17 @@ def test_k3_8gpu_config():
     assert "/" in args.model.checkpoint
     assert args.ingress.replicas >= 2
     assert_options_come_from_args(app, args, built)
+
+
+def test_elastic_ranks_are_built_autoscaled_between_0_and_1():
+    """dp_size {min: 1, max: 3}: rank 0 always runs, ranks 1 and 2 scale between 0 and 1
+    replicas (starting at 0) and park after scaling.park_after_s; every other option as
+    with fixed ranks."""
+    args = AppArgs(dp_size={"min": 1, "max": 3}, scaling={"park_after_s": 42})
+    built = {d.name: d for d in build_deployments(build_app(args), name="elastic").deployments}
+    assert (args.dp_min, args.dp_max, args.elastic) == (1, 3, True)
+    assert args.ranks_as_run.calibration_grids  # the queue is counted in fitted seconds
+    assert_options_come_from_args({}, args, built)
 
 
 def test_cpu_config_fits_two_cores():
@@ -124,6 +144,19 @@ def test_cpu_config_fits_two_cores():
             {"ranks": {"batching": {"max_batch_patches": 0}}},
             r"ranks.batching.max_batch_patches\n  Input should be greater than or equal to 1",
         ),
+        (
+            {"dp_size": {"min": 3, "max": 1}},
+            r"dp_size {'min': 3, 'max': 1} is not a valid range \(max \(1\) must be at least "
+            r"min \(3\), e.g. {min: 3, max: 6}\); write {min: M, max: N} with 1 <= M <= N",
+        ),
+        ({"dp_size": {"min": 0, "max": 2}}, r"min: Input should be greater than or equal to 1"),
+        ({"dp_size": {"max": 2}}, r"dp_size {'max': 2} is not a valid range \(min: Field required"),
+        (
+            {"dp_size": 2.5},
+            r"dp_size must be an int >= 1 \(ranks always running, one per GPU\) or {min: M, "
+            r"max: N} \(elastic ranks\), got 2.5",
+        ),
+        ({"scaling": {"target_queue_s": 0}}, r"scaling.target_queue_s\n  Input should be greater"),
     ],
     ids=[
         "backend",
@@ -142,6 +175,11 @@ def test_cpu_config_fits_two_cores():
         "ingress-cache-without-rank-cache",
         "odd-grid",
         "batch-budget",
+        "dp-range-reversed",
+        "dp-range-min-0",
+        "dp-range-no-min",
+        "dp-float",
+        "queue-target",
     ],
 )
 def test_bad_args_fail_validation(args, fragment):
@@ -274,17 +312,20 @@ def test_kuberay_embedded_serve_config_builds_with_app_args():
     assert serve_config["proxy_location"] == "EveryNode"  # a proxy on every pod
 
 
-def test_kuberay_cluster_holds_every_rank_and_mounts_what_the_config_reads():
+def test_kuberay_cluster_holds_the_elastic_range_and_mounts_what_the_config_reads():
     service, serve_config = load_kuberay()
     cluster = service["spec"]["rayClusterConfig"]
     assert cluster["rayVersion"] == ray.__version__
     (app,) = serve_config["applications"]
     args = AppArgs.model_validate(app["args"])
-    gpus = sum(
-        group["replicas"] * int(group["rayStartParams"]["num-gpus"])
-        for group in cluster["workerGroupSpecs"]
-    )
-    assert gpus >= args.dp_size * args.ranks.actor_options.num_gpus
+    per_rank = args.ranks.actor_options.num_gpus
+    (group,) = cluster["workerGroupSpecs"]
+    pod_gpus = int(group["rayStartParams"]["num-gpus"])
+    assert args.elastic
+    assert cluster["enableInTreeAutoscaling"]
+    assert group["minReplicas"] * pod_gpus == args.dp_min * per_rank  # the ranks always up
+    assert group["maxReplicas"] * pod_gpus >= args.dp_max * per_rank  # room for every rank
+    assert group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
     pods = [cluster["headGroupSpec"]] + cluster["workerGroupSpecs"]
     for pod in pods:
         (container,) = pod["template"]["spec"]["containers"]
