@@ -189,7 +189,6 @@ class _Rank:
 
     phase: str = LIVE  # LIVE, STARTING or PARKED: whether a replica exists and answers
     wanted: bool = True  # live and wanted: takes work; live and not wanted: draining
-    since: float = -math.inf  # when the phase or wanted last changed
     why: str = ""  # the last scaling reason
     note: str = ""  # Serve's status message while it starts
     generation: int = 0  # +1 each time its replica is released: its cache with it
@@ -293,11 +292,13 @@ class Roster:
         return {r for r, s in enumerate(self._ranks) if s.phase == LIVE}
 
     def _set(self, rank: int, phase: str, wanted: bool, why: str) -> None:
+        """Move an elastic rank to ``phase``, wanted or not, for ``why``: a wanted live one
+        is held (``_hold``), any other gets no call from this replica."""
         r = self._ranks[rank]
         before = self.takes_work()
         if phase != LIVE and r.phase == LIVE:
             r.generation += 1  # its replica (and its cache) is gone, or going
-        r.phase, r.wanted, r.why, r.since = phase, wanted, why, self.clock()
+        r.phase, r.wanted, r.why = phase, wanted, why
         log.info("rank %d %s: %s", rank, self.state(rank), why)
         hold = self._tasks.get(("hold", rank))
         if rank >= self.fixed and phase == LIVE and wanted:
@@ -499,9 +500,10 @@ class Roster:
         return max(1, math.ceil(soonest))
 
     def _start_task(self, kind: str, rank: int, work) -> None:
-        """Run ``work`` (a coroutine) unless a task of ``kind`` for ``rank`` still runs."""
+        """Run ``work`` (a coroutine) unless a task of ``kind`` for ``rank`` still runs
+        (and is not being cancelled)."""
         task = self._tasks.get((kind, rank))
-        if task is not None and not task.done():
+        if task is not None and not task.done() and not task.cancelling():
             work.close()
             return
         self._tasks[kind, rank] = asyncio.get_running_loop().create_task(work)

@@ -457,3 +457,20 @@ def test_cache_hits_queue_no_work_and_wake_no_rank():
     assert roster.takes_work() == {0}
     assert [r.wakes for r in ranks] == [0, 0, 0]
     assert not driver.decisions
+
+
+def test_a_rank_wanted_again_right_after_it_was_let_go_is_held_again():
+    async def scenario():
+        _, roster, ranks, _ = elastic(count=2)
+        roster.want(1, "test")
+        roster.wake(1, 5.0, lambda rank: None)
+        ranks[1].started.set()
+        await roster._tasks["wake", 1]
+        await asyncio.sleep(0)
+        roster.unwant(1, "test")
+        roster.want(1, "test")  # before the cancelled hold has ended
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return ranks[1].holds, ranks[1].released
+
+    assert asyncio.run(scenario()) == (2, 1)  # a new call open, the old one taken back
