@@ -67,7 +67,10 @@ def url(serve_url, board, tmp_path_factory):
             "body_pace": {"grace_s": 1.0},  # a stalled body is refused after a second
             "max_concurrent_bodies": 1,
         },
-        dispatch={"cooldown_s": 0.5},
+        # The rank has one slot and one queue place (the queue case needs them): a load
+        # poll beside a case's own calls would take the place its next call needs. One
+        # ingress and one rank: every answer carries the rank's report anyway.
+        dispatch={"cooldown_s": 0.5, "load_report_interval_ms": 60_000},
         handoff={"wait_s": 1, "send_timeout_s": 1, "max_pending": 1},
     )
     serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
