@@ -189,11 +189,20 @@ class BatchingArgs(Section):
         ge=0,
         description="Longest a queued image waits on an idle rank for others to join its batch.",
     )
+    decode: Literal["threads", "processes"] = Field(
+        "threads",
+        description="Where a rank decodes and preprocesses images ahead of the forward: "
+        "'threads' (decode_threads threads of the rank's process; PIL releases the GIL, "
+        "Python between its calls holds it) or 'processes' (decode_threads worker "
+        "processes, pixels back through shared memory: the forward thread never waits for "
+        "the GIL held by a decode; the gpu backend's torch ops stay on the rank's device).",
+    )
     decode_threads: int = Field(
         2,
         ge=1,
-        description="Threads per rank that decode and preprocess images ahead of the forward "
-        "(PIL releases the GIL); about the rank's CPU allotment on a GPU node.",
+        description="Decode workers per rank (threads, or processes with decode: processes) "
+        "that decode and preprocess images ahead of the forward; about the rank's CPU "
+        "allotment on a GPU node.",
     )
 
 

@@ -8,11 +8,14 @@ several images and the budget is in patches, ``max_batch_patches``). Every
 Pipeline, per image: its preparation (``VisionEncoder.prepare``: file decode and
 preprocessing, the ``gpu`` backend's on the device on each decode thread's own
 CUDA stream) starts on a small decode pool as soon as it is queued (PIL releases
-the GIL); one drain task takes images first in, first out, up to the patch budget
-(at least one image), waiting at most ``max_batch_wait_ms`` after the oldest
-arrived for more to join, waits for their preparation, and runs one forward and
-the copy of each image's features to the host, cast on the device to the dtype
-its call asked for, on the one forward thread. So batch k+1 decodes and
+the GIL; with ``decode: processes`` each decode thread hands the decode, and the
+cpu backend's whole preprocessing, to a worker process of its own,
+``kimi_encoder.decode_procs``, and waits without the GIL); one drain task takes
+images first in, first out, up to the patch budget (at least one image), waiting
+at most ``max_batch_wait_ms`` after the oldest arrived for more to join, waits for
+their preparation, and runs one forward and the copy of each image's features to
+the host, cast on the device to the dtype its call asked for, on the one forward
+thread. So batch k+1 decodes and
 preprocesses while batch k runs its forward, the event loop keeps answering
 load reports and cache hits, and each image's features leave the device once,
 in the wire dtype, into a buffer of its own (which the cache keeps as is: no
@@ -40,6 +43,7 @@ Load: the rank counts what each caller has queued or running as
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections import deque
@@ -52,6 +56,7 @@ import torch
 
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.cost import CostModel, calibrate
+from kimi_encoder.decode_procs import DecodeProcesses
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.features import dtype_name, torch_dtype
 from kimi_encoder.items import EncoderInputError, EncoderItem
@@ -116,6 +121,10 @@ class BatchCounters:
     max_batch_images: int = 0
     max_batch_calls: int = 0  # most distinct encode calls in one forward
     forward_s: float = 0.0
+    # The forward thread's wall time minus its CPU time over the forwards (one span with
+    # forward_s): time it did not run, waiting for the GIL or a core (on a GPU, also
+    # blocked in a CUDA call that sleeps rather than spins).
+    forward_wait_s: float = 0.0
     # Seconds summed over the images forwarded (queue: arrival to its batch's start; host:
     # its decode and preprocessing on the decode pool) and over batches (device: pixels
     # handed to the forward; copy: features to the host; store: ``keep``, into the cache).
@@ -174,6 +183,11 @@ class RankBatcher:
             initializer=torch.set_num_threads, initargs=(1,),
         )  # fmt: skip
         self.worker_threads = self._executor.submit(torch.get_num_threads).result()
+        self._procs = None
+        self._prepare: Callable = encoder.prepare
+        if config.decode == "processes":
+            self._procs = DecodeProcesses(max(1, config.decode_threads))
+            self._prepare = functools.partial(encoder.prepare, host_stage=self._procs.host_stage)
         self._copier = ThreadPoolExecutor(1, thread_name_prefix="copy")
         # Writes into the object store (``keep``) run on a thread of their own, so the copy
         # thread is free for the next batch's copy while the store takes this one's bytes.
@@ -241,7 +255,7 @@ class RankBatcher:
                 entry = _Queued(
                     item, key, feature_dtype, caller, call, loop.create_future(),
                     time.perf_counter(),
-                    host=self._decode_pool.submit(_timed, self.encoder.prepare, item),
+                    host=self._decode_pool.submit(_timed, self._prepare, item),
                 )  # fmt: skip
                 if key is not None:
                     self._in_flight[key] = entry
@@ -290,6 +304,12 @@ class RankBatcher:
         """``run_in_worker`` from outside an event loop (the rank's constructor)."""
         return self._executor.submit(fn, *args).result()
 
+    def close(self) -> None:
+        """Stop the pools (the rank is stopping): the decode worker processes end."""
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        if self._procs is not None:
+            self._procs.close()
+
     def load(self) -> LoadReport:
         """Cheap report: each caller's queued or running work, this rank's cost model, and
         its progress: the calls this process has answered (``instance`` names the process,
@@ -308,6 +328,7 @@ class RankBatcher:
             "batching": self.config.model_dump(),
             "outstanding": {"images": total.images, "patches": total.patches},
             "cache": {"max_bytes": self.cache.max_bytes, **asdict(self.cache.stats)},
+            "decode_processes": self._procs.info() if self._procs is not None else None,
             **{
                 k: round(v, 3) if isinstance(v, float) else v
                 for k, v in asdict(self.counters).items()
@@ -415,12 +436,15 @@ class RankBatcher:
                 results[i] = exc
         self.counters.preprocessed += len(batch)
         clock.mark()
+        wall, cpu = time.perf_counter(), time.thread_time()
         if good:
             with torch.inference_mode():
                 features = self.encoder.forward(pixels, [batch[i].item for i in good])
                 for i, f in zip(good, features, strict=True):
                     results[i] = f.to(torch_dtype(batch[i].dtype))
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
         clock.mark()
+        self.counters.forward_wait_s += max(0.0, wall - cpu)
         timing.device_ms, timing.forward_ms = clock.spans_ms()
         self.counters.forward_s += timing.forward_ms / 1e3
         self.counters.device_s += timing.device_ms / 1e3

@@ -132,6 +132,12 @@ class EncoderRank:
             self.load_s,
         )
 
+    def __del__(self) -> None:
+        """Serve's shutdown of the replica: the decode worker processes end with it."""
+        batcher = getattr(self, "batcher", None)  # absent when the constructor failed
+        if batcher is not None:
+            batcher.close()
+
     async def encode(
         self,
         indices: Sequence[int],

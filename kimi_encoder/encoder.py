@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,10 +22,21 @@ import torch
 from . import preprocess as pp
 from .config import PRESETS, PreprocessConfig, VisionConfig, resolve_configs
 from .features import AUTO_RULE, FEATURE_DTYPES, auto_dtype, dtype_name, torch_dtype
-from .items import MSG_LENGTH, MSG_ONE_GRID, EncoderItem, plan_image, resolve_backend
+from .items import (
+    MSG_LENGTH,
+    MSG_ONE_GRID,
+    DeferredPreprocessing,
+    EncoderItem,
+    plan_image,
+    resolve_backend,
+)
 from .weights import load_model, random_model
 
 log = logging.getLogger(__name__)
+
+# Runs the host's share of one image's preprocessing: (file bytes, its record, patch size)
+# -> what ``preprocess.device_stage`` finishes.
+HostStageFn = Callable[[bytes, DeferredPreprocessing, int], pp.HostStage]
 
 
 @dataclass
@@ -138,11 +149,13 @@ class VisionEncoder:
         chosen = self.backend if backend is None else resolve_backend(backend, self.device)
         return plan_image(data, self.preprocess, chosen, **limits)
 
-    def prepare(self, item: EncoderItem) -> Prepared:
+    def prepare(self, item: EncoderItem, host_stage: HostStageFn = pp.host_stage) -> Prepared:
         """An item's pixels, computed on any thread: its file decoded and preprocessed with
         its backend (the ``gpu`` backend's torch ops on this encoder's device, on a side
         stream of the calling thread when that is a GPU, so they overlap the forward).
-        ``materialize`` hands them to the forward, checked."""
+        ``host_stage`` runs the host's share (``preprocess.host_stage``: decode, and the
+        whole cpu backend); ``DecodeProcesses.host_stage`` runs it in a worker process.
+        ``materialize`` hands the pixels to the forward, checked."""
         if item.pixel_values is not None:
             return Prepared(item.pixel_values, item.grid)
         if item.deferred is None or item.image is None:
@@ -150,14 +163,14 @@ class VisionEncoder:
                 "an image item needs encoded image bytes and its deferred "
                 "preprocessing record; build it with plan_image()."
             )
-        img = pp.decode(item.image, item.deferred.max_pixels)
         patch = self.vision.patch_size
+        host = host_stage(item.image, item.deferred, patch)
         if item.deferred.backend == "cpu" or self.device.type != "cuda":
             device = "cpu" if item.deferred.backend == "cpu" else self.device
-            return Prepared(*pp.preprocess(img, item.deferred, patch, device))
+            return Prepared(*pp.device_stage(host, item.deferred, patch, device))
         stream = self._side_stream()
         with torch.cuda.stream(stream):
-            pixels, grid = pp.preprocess(img, item.deferred, patch, self.device)
+            pixels, grid = pp.device_stage(host, item.deferred, patch, self.device)
             ready = torch.cuda.Event()
             ready.record(stream)
         return Prepared(pixels, grid, ready)

@@ -91,6 +91,13 @@ class RawImage:
 
 def raw_from_pil(img: Image.Image, device: torch.device | str | None = None) -> RawImage:
     """Package a decoded Pillow image without converting it (host side)."""
+    return raw_image(*raw_arrays(img), img.mode, img.info.get("transparency"), device)
+
+
+def raw_arrays(img: Image.Image) -> tuple[np.ndarray, np.ndarray | None]:
+    """A decoded image's band data as ``RawImage.pixels`` holds it, and its palette as
+    ``RawImage.palette`` does (None unless ``P``/``PA``), as numpy arrays: what
+    ``raw_image`` puts on a device, from this process or another one."""
     if img.mode not in SUPPORTED_MODES:
         raise ValueError(
             f"Unsupported image mode: {img.mode}; the torch port handles "
@@ -98,10 +105,6 @@ def raw_from_pil(img: Image.Image, device: torch.device | str | None = None) -> 
             "(preprocess.preprocess_gpu does)."
         )
     array = np.array(img)
-    if array.dtype == np.uint16:  # moved as int16 bits: CUDA copies int16 natively
-        pixels = torch.from_numpy(array.view(np.int16)).to(device).view(torch.uint16)
-    else:
-        pixels = torch.from_numpy(array).to(device)
     palette = None
     if img.mode in ("P", "PA"):
         entries = np.zeros((256, 4), dtype=np.uint8)
@@ -110,8 +113,25 @@ def raw_from_pil(img: Image.Image, device: torch.device | str | None = None) -> 
         entries[: len(data)] = data
         if img.palette is None or img.palette.mode != "RGBA":
             entries = entries[:, :3]
-        palette = torch.from_numpy(entries).to(device)
-    return RawImage(pixels, img.mode, palette, img.info.get("transparency"))
+        palette = entries
+    return array, palette
+
+
+def raw_image(
+    array: np.ndarray,
+    palette: np.ndarray | None,
+    mode: str,
+    transparency: Transparency | None,
+    device: torch.device | str | None = None,
+) -> RawImage:
+    """``raw_arrays``' output as a ``RawImage`` on ``device``."""
+    if array.dtype == np.uint16:  # moved as int16 bits: CUDA copies int16 natively
+        pixels = torch.from_numpy(array.view(np.int16)).to(device).view(torch.uint16)
+    else:
+        pixels = torch.from_numpy(array).to(device)
+    if palette is not None:
+        palette = torch.from_numpy(palette).to(device)
+    return RawImage(pixels, mode, palette, transparency)
 
 
 # --------------------------------------------------------------------------- resize

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import io
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -177,20 +178,78 @@ def portable(img: Image.Image) -> Image.Image:
     return out
 
 
-def preprocess_gpu(
-    img: Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
-) -> Materialized:
+@dataclass(frozen=True)
+class HostImage:
+    """The host's share of the ``gpu`` backend for one decoded image, as numpy arrays (so
+    another process can make it): its band data in a mode ``pil_ops`` ports
+    (``pil_ops.raw_arrays``; resized and converted on the device), or, for a mode only
+    PIL converts, the finished ``(h, w, 3)`` uint8 RGB image (``finished``)."""
+
+    pixels: np.ndarray
+    mode: str
+    palette: np.ndarray | None = None
+    transparency: pil_ops.Transparency | None = None
+    finished: bool = False
+
+
+def host_image(img: Image.Image, cfg: DeferredPreprocessing) -> HostImage:
+    """What the ``gpu`` backend computes on the host: the image relabelled into a ported
+    mode as it is, or, for a mode only PIL converts, the cpu backend's resize and
+    conversion."""
     img = portable(img)
     if img.mode not in pil_ops.SUPPORTED_MODES:
-        # Only PIL converts this mode: the cpu backend's steps, normalized on the device.
-        return _finish(torch.from_numpy(resized_rgb_pil(img, cfg)).to(device), cfg, patch)
+        return HostImage(resized_rgb_pil(img, cfg), "RGB", finished=True)
+    pixels, palette = pil_ops.raw_arrays(img)
+    return HostImage(pixels, img.mode, palette, img.info.get("transparency"))
+
+
+def preprocess_host_image(
+    host: HostImage, cfg: DeferredPreprocessing, patch: int, device: torch.device
+) -> Materialized:
+    """The ``gpu`` backend's torch ops on ``device``, from ``host_image``'s output."""
+    if host.finished:  # PIL made it: normalized on the device
+        return _finish(torch.from_numpy(host.pixels).to(device), cfg, patch)
     rc = cfg.resize_config
     bg = cfg.transparent_bg_config
-    raw = pil_ops.raw_from_pil(img, device=device)
+    raw = pil_ops.raw_image(host.pixels, host.palette, host.mode, host.transparency, device)
     if cfg.fill_stage == "before_resize":
         raw = pil_ops.RawImage(pil_ops.to_rgb(raw, bg), "RGB", None, None)
     raw = pil_ops.resize_bicubic(raw, (rc.new_width, rc.new_height))
     return _finish(pil_ops.to_rgb(raw, bg), cfg, patch)
+
+
+def preprocess_gpu(
+    img: Image.Image, cfg: DeferredPreprocessing, patch: int, device: torch.device
+) -> Materialized:
+    return preprocess_host_image(host_image(img, cfg), cfg, patch, device)
+
+
+# What ``host_stage`` hands to ``device_stage``: the cpu backend's finished patches (float32,
+# on the CPU) and grid, or the gpu backend's ``HostImage``.
+HostStage = Materialized | HostImage
+
+
+def host_stage(data: bytes, cfg: DeferredPreprocessing, patch: int) -> HostStage:
+    """Everything of one encoded image that runs on the host, in any process: its decode
+    and, with the ``cpu`` backend, all of its preprocessing; with the ``gpu`` backend,
+    the decoded pixels as its torch ops take them (``HostImage``)."""
+    img = decode(data, cfg.max_pixels)
+    if cfg.backend == "cpu":
+        return preprocess_cpu(img, cfg, patch)
+    if cfg.backend == "gpu":
+        return host_image(img, cfg)
+    raise unsupported_backend(cfg.backend)
+
+
+def device_stage(
+    host: HostStage, cfg: DeferredPreprocessing, patch: int, device: torch.device | str
+) -> Materialized:
+    """``host_stage``'s output finished on ``device``: the gpu backend's torch ops, or the
+    cpu backend's patches moved there."""
+    if isinstance(host, HostImage):
+        return preprocess_host_image(host, cfg, patch, torch.device(device))
+    pixels, grid = host
+    return pixels.to(device), grid
 
 
 def preprocess(

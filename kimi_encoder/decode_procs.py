@@ -1,0 +1,531 @@
+"""Decode and host preprocessing in worker processes, off the interpreter lock of the rank.
+
+``DecodeProcesses`` runs ``preprocess.host_stage`` (the file decode and, with the cpu
+backend, the whole preprocessing; with the gpu backend, the decode alone) in a few
+worker processes, so the thread that launches the forward never waits for a decode
+thread to give back the GIL. Its ``host_stage`` stands in for ``preprocess.host_stage``
+(``VisionEncoder.prepare(item, host_stage=...)``): the calling thread hands one image
+to an idle worker and blocks, without the GIL, until the answer; the results are the
+same arrays, bit for bit, as the same function computes in this process.
+
+Transport. Each worker has one shared-memory segment, an anonymous ``memfd`` made by
+this process and handed to the worker over its socket (no name in /dev/shm: the
+kernel frees it with its last descriptor and mapping, so nothing is left behind
+whoever dies, and there is nothing to unlink). The worker writes an image's arrays
+into it and answers where they lie; the calling thread copies them out before the
+worker takes its next image, so one segment per worker is reused image after image.
+A result larger than the segment makes the worker ask for a larger one, and a segment
+grown past ``retain_bytes`` is swapped for a fresh one of ``segment_bytes`` at the
+worker's next image. The encoded file and the small fields travel pickled.
+
+Start. A worker is a fresh interpreter (``python -m kimi_encoder.decode_procs``: fork
+and exec at once, which is safe in a multithreaded process such as a Ray replica, as
+multiprocessing's spawn is, without spawn re-running the parent's main script) with
+one torch thread. The pool waits until every worker has answered once.
+
+Failures. An image the worker cannot decode raises the exception ``host_stage``
+raised there: the same type and message. A worker that dies (killed, crashed) fails
+the one image it held with ``DecodeWorkerDied``, and a new worker takes its place at
+once. ``close`` ends the workers; a worker whose parent died sees its socket close
+and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from . import preprocess as pp
+from .items import DeferredPreprocessing
+
+_HEADER = struct.Struct("!Q")  # length of the pickled message that follows
+_ALIGN = 64  # arrays start on cache lines in a segment
+_MIB = 1 << 20
+MEMFD_NAME = "kimi-encoder-decode"  # how a segment shows in /proc/<pid>/fd and maps
+
+
+class DecodeWorkerDied(RuntimeError):
+    """The worker process decoding an image died before answering (killed, crashed)."""
+
+
+class _Gone(Exception):
+    """The worker's socket closed: it died (or the pool was closed under it)."""
+
+
+# --- messages and segments -------------------------------------------------------------
+
+
+def _send(sock: socket.socket, message: tuple) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_HEADER.pack(len(data)))
+    sock.sendall(data)
+
+
+def _recv(sock: socket.socket) -> tuple:
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    return pickle.loads(_recv_exact(sock, size))
+
+
+def _recv_exact(sock: socket.socket, size: int) -> bytearray:
+    buf = bytearray(size)
+    view = memoryview(buf)
+    got = 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise EOFError("the socket closed")
+        got += n
+    return buf
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+class _Segment:
+    """One anonymous shared-memory segment (a memfd) of ``size`` bytes, mapped here."""
+
+    def __init__(self, size: int, fd: int | None = None):
+        self.size = size
+        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC) if fd is None else fd
+        try:
+            if fd is None:
+                os.ftruncate(self.fd, size)
+            self.map = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def write(self, arrays: list[np.ndarray]) -> list[tuple[int, str, tuple[int, ...]]]:
+        """Each array copied in, one after the other; (offset, dtype, shape) of each."""
+        places, offset = [], 0
+        for array in arrays:
+            target = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
+            np.copyto(target, array)
+            places.append((offset, array.dtype.str, array.shape))
+            offset = _aligned(offset + array.nbytes)
+        return places
+
+    def read(self, place: tuple[int, str, tuple[int, ...]]) -> np.ndarray:
+        """A copy of the array at ``place`` (the segment is written again next image)."""
+        offset, dtype, shape = place
+        view = np.ndarray(shape, np.dtype(dtype), buffer=self.map, offset=offset)
+        try:
+            return view.copy()
+        finally:
+            del view  # the map cannot close while a view of it lives
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+def _needed(arrays: list[np.ndarray]) -> int:
+    return sum(_aligned(array.nbytes) for array in arrays)
+
+
+def _pack(host: pp.HostStage) -> tuple[tuple, list[np.ndarray]]:
+    """``host_stage``'s output as (small fields, arrays)."""
+    if isinstance(host, pp.HostImage):
+        arrays = [host.pixels] + ([] if host.palette is None else [host.palette])
+        fields = ("image", host.mode, host.transparency, host.finished, host.palette is not None)
+        return fields, [np.ascontiguousarray(a) for a in arrays]
+    pixels, grid = host
+    return ("patches", grid), [pixels.contiguous().numpy()]
+
+
+def _unpack(fields: tuple, arrays: list[np.ndarray]) -> pp.HostStage:
+    if fields[0] == "image":
+        _, mode, transparency, finished, has_palette = fields
+        palette = arrays[1] if has_palette else None
+        return pp.HostImage(arrays[0], mode, palette, transparency, finished)
+    return torch.from_numpy(arrays[0]), fields[1]
+
+
+def _portable_error(exc: Exception) -> Exception:
+    """``exc`` if it survives pickling (the library's errors do), else a RuntimeError
+    naming it."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:  # noqa: BLE001 - any exception that cannot cross processes
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+    return exc
+
+
+# --- the worker process ----------------------------------------------------------------
+
+
+class _WorkerLoop:
+    """What a worker process runs: messages in, answers out, until its socket closes."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self.segment: _Segment | None = None
+
+    def run(self) -> None:
+        try:
+            while True:
+                self._handle(_recv(self.sock))
+        except (EOFError, ConnectionError):
+            return  # the pool closed this socket (maybe mid-image), or its process died
+
+    def _handle(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "segment":
+            self._attach(message[1])
+        elif kind == "ping":
+            _send(self.sock, ("pong", os.getpid()))
+        elif kind == "job":
+            _send(self.sock, self._job(*message[1:]))
+        else:
+            raise ValueError(f"unknown message {kind!r}")
+
+    def _attach(self, size: int) -> None:
+        """Map the segment whose descriptor follows the message."""
+        _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
+        if self.segment is not None:
+            self.segment.close()
+        self.segment = _Segment(size, fds[0])
+
+    def _job(self, data: bytes, cfg: DeferredPreprocessing, patch: int) -> tuple:
+        try:
+            fields, arrays = _pack(pp.host_stage(data, cfg, patch))
+        except Exception as exc:  # noqa: BLE001 - the image's own error, answered as is
+            return ("error", _portable_error(exc))
+        need = _needed(arrays)
+        if self.segment is None or need > self.segment.size:
+            _send(self.sock, ("grow", need))
+            message = _recv(self.sock)
+            assert message[0] == "segment", message
+            self._attach(message[1])
+        return ("done", fields, self.segment.write(arrays))
+
+
+def serve(fd: int) -> None:
+    """A worker process's main: one torch thread; Ctrl-C is its parent's to handle."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    _WorkerLoop(socket.socket(fileno=fd)).run()
+
+
+# --- the pool --------------------------------------------------------------------------
+
+
+def _worker_env() -> dict[str, str]:
+    """This process's environment, with this package importable and one OpenMP thread."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **os.environ,
+        "PYTHONPATH": root if not path else root + os.pathsep + path,
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _Worker:
+    """One worker process, its socket and its segment (which outlives the process)."""
+
+    def __init__(self, segment_bytes: int):
+        self.segment = _Segment(segment_bytes)
+        self.proc: subprocess.Popen | None = None
+        self.sock: socket.socket | None = None
+        self.holding = False  # an image was sent and its answer has not come
+        try:
+            self.start()
+        except BaseException:
+            self.segment.close()
+            raise
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.proc is None else self.proc.pid
+
+    def start(self) -> None:
+        parent, child = socket.socketpair()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kimi_encoder.decode_procs", str(child.fileno())],
+                pass_fds=(child.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=_worker_env(),
+            )
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()  # the child's copy is its own: EOF here when it dies
+        self.sock = parent
+        self._send_segment()
+
+    def _send_segment(self) -> None:
+        _send(self.sock, ("segment", self.segment.size))
+        socket.send_fds(self.sock, [b"s"], [self.segment.fd])
+
+    def new_segment(self, size: int) -> None:
+        """A fresh segment of ``size`` bytes for this worker (the old one is freed when the
+        worker maps the new one)."""
+        segment = _Segment(size)
+        self.segment.close()
+        self.segment = segment
+        self._send_segment()
+
+    def ping(self, timeout_s: float) -> None:
+        assert self.sock is not None, "ping before start"
+        assert self.proc is not None, "ping before start"
+        self.sock.settimeout(timeout_s)
+        try:
+            _send(self.sock, ("ping",))
+            answer = _recv(self.sock)
+        except TimeoutError:
+            raise RuntimeError(
+                f"decode worker process {self.proc.pid} did not answer within {timeout_s:.0f} s "
+                "of its start; the machine may be overloaded: use ranks.batching.decode: "
+                "threads, or fewer decode_threads."
+            ) from None
+        except (EOFError, OSError):
+            raise RuntimeError(
+                f"decode worker process {self.proc.pid} {_exit_text(self.reap())} at its "
+                "start (its error is in this process's log); use ranks.batching.decode: "
+                "threads until it starts."
+            ) from None
+        finally:
+            self.sock.settimeout(None)
+        assert answer == ("pong", self.proc.pid), answer
+
+    def send(
+        self, data: bytes, cfg: DeferredPreprocessing, patch: int, retain: int, fresh: int
+    ) -> None:
+        """One image to this worker (started first if its last start failed); a segment
+        grown past ``retain`` bytes is swapped for one of ``fresh`` bytes first."""
+        try:
+            if self.sock is None:
+                self.start()
+            if self.segment.size > retain:
+                self.new_segment(fresh)
+            _send(self.sock, ("job", data, cfg, patch))
+        except OSError as exc:
+            raise _Gone() from exc
+
+    def answer(self) -> pp.HostStage:
+        """The answer to the image sent: its host-stage output, or its error raised."""
+        try:
+            while True:
+                message = _recv(self.sock)
+                if message[0] != "grow":
+                    break
+                self.new_segment(max(2 * self.segment.size, -(-message[1] // _MIB) * _MIB))
+        except (EOFError, OSError) as exc:
+            raise _Gone() from exc
+        if message[0] == "error":
+            raise message[1]
+        _, fields, places = message
+        return _unpack(fields, [self.segment.read(place) for place in places])
+
+    def reap(self, timeout_s: float = 10.0) -> int | None:
+        """The exit code of a process whose socket closed (killed if it lingers)."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def stop(self) -> None:
+        """Close the socket (the worker exits when it reads the end) and reap it."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):  # already disconnected
+                self.sock.shutdown(socket.SHUT_RDWR)
+            self.sock.close()
+            self.sock = None
+        self.reap()
+
+    def close(self) -> None:
+        self.stop()
+        self.segment.close()
+
+
+def _closed() -> RuntimeError:
+    return RuntimeError("the decode worker processes were closed (the rank is stopping).")
+
+
+class DecodeProcesses:
+    """``count`` worker processes running ``preprocess.host_stage``; see the module doc.
+
+    Thread-safe: each call takes an idle worker (waiting for one if all are busy), so a
+    pool of ``count`` calling threads keeps every worker busy.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        segment_bytes: int = 8 * _MIB,
+        retain_bytes: int = 64 * _MIB,
+        start_timeout_s: float = 120.0,
+    ):
+        if count < 1:
+            raise ValueError(f"DecodeProcesses needs at least 1 worker, got {count}.")
+        if not hasattr(os, "memfd_create"):
+            raise RuntimeError(
+                "decode worker processes need os.memfd_create (Linux) for their shared "
+                "memory; use ranks.batching.decode: threads on this platform."
+            )
+        self.segment_bytes = segment_bytes
+        self.retain_bytes = retain_bytes
+        self.images = 0  # answered with pixels
+        self.errors = 0  # answered with the image's own error
+        self.died = 0  # workers that died holding an image
+        self._changed = threading.Condition()
+        self._closed = False
+        self._workers: list[_Worker] = []
+        try:
+            for _ in range(count):
+                self._workers.append(_Worker(segment_bytes))
+            for worker in self._workers:
+                worker.ping(start_timeout_s)
+        except BaseException:
+            for worker in self._workers:
+                worker.close()
+            raise
+        self._idle = list(self._workers)
+
+    def host_stage(self, data: bytes, cfg: DeferredPreprocessing, patch: int) -> pp.HostStage:
+        """``preprocess.host_stage(data, cfg, patch)``, run by a worker process."""
+        worker = self._take()
+        try:
+            self._send(worker, data, cfg, patch)
+            with self._changed:
+                worker.holding = True
+                self._changed.notify_all()
+            try:
+                host = worker.answer()
+            except _Gone:
+                raise self._replace(worker) from None
+            except Exception:
+                self.errors += 1
+                raise
+        finally:
+            self._give_back(worker)
+        self.images += 1
+        return host
+
+    def _send(self, worker: _Worker, data: bytes, cfg: DeferredPreprocessing, patch: int) -> None:
+        """The image to ``worker``; one that died while idle held nothing: a new one
+        takes the image."""
+        try:
+            worker.send(data, cfg, patch, self.retain_bytes, self.segment_bytes)
+        except _Gone:
+            error = self._replace(worker)
+            try:
+                worker.send(data, cfg, patch, self.retain_bytes, self.segment_bytes)
+            except _Gone:
+                raise error from None
+
+    def _take(self) -> _Worker:
+        with self._changed:
+            while not self._idle and not self._closed:
+                self._changed.wait()
+            if self._closed:
+                raise _closed()
+            return self._idle.pop()
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._changed:
+            worker.holding = False
+            if self._closed:
+                worker.close()
+            else:
+                self._idle.append(worker)
+            self._changed.notify_all()
+
+    def _replace(self, worker: _Worker) -> Exception:
+        """The error of the image a dead worker held; a new worker takes its place."""
+        pid, code = worker.pid, worker.reap()
+        worker.stop()
+        if self._closed:
+            return _closed()
+        self.died += 1
+        try:
+            worker.start()
+            replaced = "a new one took its place"
+        except Exception as exc:  # noqa: BLE001 - said in this image's error; next call retries
+            replaced = f"starting a new one failed ({type(exc).__name__}: {exc})"
+        return DecodeWorkerDied(
+            f"the decode worker process (pid {pid}) {_exit_text(code)} while decoding this "
+            f"image; {replaced}. Send the image again; an image that kills the decoder every "
+            "time cannot be encoded."
+        )
+
+    def wait_holding(self, count: int, timeout_s: float) -> list[int]:
+        """Block until ``count`` workers hold an image; their pids (for tests and tools
+        that must act while images are held)."""
+        with self._changed:
+            done = self._changed.wait_for(
+                lambda: sum(w.holding for w in self._workers) >= count, timeout_s
+            )
+            if not done:
+                raise TimeoutError(f"{count} workers did not hold images within {timeout_s} s")
+            return [w.pid for w in self._workers if w.holding]
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self._workers]
+
+    def info(self) -> dict:
+        return {
+            "workers": len(self._workers),
+            "pids": self.pids,
+            "images": self.images,
+            "errors": self.errors,
+            "died": self.died,
+            "segment_bytes": sum(w.segment.size for w in self._workers),
+        }
+
+    def close(self) -> None:
+        """End every worker and free its segment (a busy one when its call returns)."""
+        with self._changed:
+            if self._closed:
+                return
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = [w for w in self._workers if w not in idle]
+            self._changed.notify_all()
+        for worker in busy:  # their calls see the socket close and give them back
+            with contextlib.suppress(AttributeError, OSError):  # None: between two processes
+                worker.sock.shutdown(socket.SHUT_RDWR)
+        for worker in idle:
+            worker.close()
+
+    def __enter__(self) -> DecodeProcesses:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
