@@ -341,7 +341,7 @@ def decode_time_ms(data: bytes, runs: int = 5) -> float:
 # --- the rank's counters --------------------------------------------------------------
 
 RANK_COUNTERS = ("forwarded", "batches", "cache_hits", "forward_s", "queue_s", "host_s")
-RANK_COUNTERS += ("device_s", "copy_s", "store_s")
+RANK_COUNTERS += ("device_s", "copy_s", "store_s", "forward_wait_s")
 FAILOVER_COUNTERS = ("hedged_images", "redispatched_images")
 
 
@@ -385,5 +385,6 @@ def inside_rank(before: dict, after: dict, wall_s: float, tower_ips: float, deco
             "to_device_ms": ms["device_s"],
             "copy_ms": ms["copy_s"],
             "store_ms": ms["store_s"],
+            "forward_wait_ms": ms["forward_wait_s"],
         }
     return out

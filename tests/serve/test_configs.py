@@ -157,6 +157,11 @@ def test_cpu_config_fits_two_cores():
             r"max: N} \(elastic ranks\), got 2.5",
         ),
         ({"scaling": {"target_queue_s": 0}}, r"scaling.target_queue_s\n  Input should be greater"),
+        (
+            {"ranks": {"batching": {"decode": "forks"}}},
+            r"ranks.batching.decode\n  Input should be 'threads' or 'processes' "
+            r"\[type=literal_error, input_value='forks'",
+        ),
     ],
     ids=[
         "backend",
@@ -180,6 +185,7 @@ def test_cpu_config_fits_two_cores():
         "dp-range-no-min",
         "dp-float",
         "queue-target",
+        "decode",
     ],
 )
 def test_bad_args_fail_validation(args, fragment):

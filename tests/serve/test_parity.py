@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import requests
 import torch
 from serve_helpers import b64, decode_features, encode, one_thread, rank_calls
 
@@ -63,3 +64,26 @@ def test_only_owning_ranks_are_called(deploy, images):
     response = encode(url, [{"type": "image", "image": b64(b)} for b in images[:2]])
     assert [i["owner_rank"] for i in response.json()["items"]] == [1, 0]  # big image first
     assert [a - b for a, b in zip(rank_calls(url), after, strict=True)] == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_decode_processes_answer_the_in_process_features(deploy, images, expected, backend):
+    """A rank decoding in worker processes (both backends; the gpu one runs its torch ops
+    on the CPU here) answers the reference's features bit for bit over HTTP, and says
+    where it decodes in /v1/info."""
+    url = deploy(
+        1,
+        f"procs-{backend}",
+        model={"preprocess_backend": backend},
+        ranks={"batching": {"decode": "processes", "decode_threads": 2}},
+    )
+    count = COUNTS[-1]
+    response = encode(url, [{"type": "image", "image": b64(b)} for b in images[:count]])
+    assert response.status_code == 200, response.text
+    for item, ref in zip(response.json()["items"], expected[count], strict=True):
+        np.testing.assert_array_equal(decode_features(item), ref.numpy())
+    (rank,) = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    assert rank["batching"]["decode"] == "processes"
+    assert rank["decode_processes"]["workers"] == 2
+    assert rank["decode_processes"]["images"] >= count
+    assert 0.0 <= rank["forward_wait_s"] <= rank["forward_s"]
