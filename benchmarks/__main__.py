@@ -14,6 +14,7 @@ from . import (
     bench_bytes,
     bench_bytes_haproxy,
     bench_cache,
+    bench_decode,
     bench_elastic,
     bench_encoder,
     bench_handoff,
@@ -39,6 +40,7 @@ MODULES = (
     bench_encoder,
     bench_memory,
     bench_wire,
+    bench_decode,
 )
 
 INTRO = (

@@ -15,6 +15,7 @@ from benchmarks import (
     bench_assign,
     bench_bytes,
     bench_bytes_haproxy,
+    bench_decode,
     bench_handoff,
     bench_ingress,
     bench_latency,
@@ -670,3 +671,24 @@ def test_handoff_cpu_line_goes_through_each_repeats_small_and_large_part():
     assert f"| {sglang} | all of ours | {cells} | 12.0 (12.0–12.0) | 21.0 (21.0–21.0) " in text
     assert f"| {vllm} | ingress | {cells} | 12.5 (12.5–12.5) | 12.5 (12.5–12.5) " in text
     assert "| 12.5 (12.5–12.5) | **0.00 (0.00–0.00)** |" in text
+
+
+def test_a_decode_window_counts_the_forward_wait_of_its_own_batches():
+    """bench_decode's window reads the batcher's counters: the wait is part of the
+    forward's time, and every image of the window was forwarded in batches."""
+    from kimi_encoder.encoder import VisionEncoder
+
+    encoder = VisionEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
+    items = [encoder.plan(inputs.jpeg(56, seed)) for seed in range(4)]
+    (batcher,) = bench_decode.batchers(encoder, 4 * items[0].num_patches, 1, ["threads"])
+    try:
+        got = bench_decode.window(batcher, items, clients=4, seconds=0.2)
+    finally:
+        batcher.close()
+    assert set(got) == {
+        "wait_ms", "forward_ms", "wait_share", "images_per_batch", "images_per_s", "host_ms"
+    }  # fmt: skip
+    assert 0.0 <= got["wait_ms"] <= got["forward_ms"]
+    assert 0.0 <= got["wait_share"] <= 1.0
+    assert 1.0 <= got["images_per_batch"] <= 4.0
+    assert bench_decode.Plan(per_batch=3).clients == 6
