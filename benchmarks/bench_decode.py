@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 import sys
+import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -42,8 +45,8 @@ class Plan:
     side: int = 448  # the GPU run's square JPEGs
     per_batch: int = 4  # images the patch budget holds
     workers: int = 1  # decode threads, or processes
-    seconds: float = 8.0
-    repeats: int = 5
+    seconds: float = 5.0
+    repeats: int = 9
 
     @property
     def clients(self) -> int:
@@ -92,15 +95,33 @@ async def closed_loop(batcher, items: list, clients: int, seconds: float) -> Non
 COUNTED = ("batches", "forwarded", "forward_s", "forward_wait_s", "host_s")
 
 
+def switches(tid: int) -> tuple[int, int]:
+    """Context switches of the thread ``tid`` of this process so far (Linux; 0 elsewhere):
+    voluntary (it blocked: on a lock such as the GIL, or waiting for work) and
+    nonvoluntary (the kernel preempted it, for another thread or process)."""
+    try:
+        status = Path(f"/proc/self/task/{tid}/status").read_text()
+    except OSError:
+        return 0, 0
+    counts = dict(re.findall(r"^(\w+)_ctxt_switches:\s+(\d+)", status, re.M))
+    return int(counts["voluntary"]), int(counts["nonvoluntary"])
+
+
 def window(batcher, items: list, clients: int, seconds: float) -> dict:
-    """One closed-loop window: per batch, the forward's wall and wait ms; images/s."""
+    """One closed-loop window: per batch, the forward's wall and wait ms and the forward
+    thread's blocks; images/s."""
+    tid = batcher.run_in_worker_sync(threading.get_native_id)
     before = {key: getattr(batcher.counters, key) for key in COUNTED}
+    first = switches(tid)
     started = time.perf_counter()
     asyncio.run(closed_loop(batcher, items, clients, seconds))
     wall = time.perf_counter() - started
+    blocks, preempted = (b - a for a, b in zip(first, switches(tid), strict=True))
     delta = {key: getattr(batcher.counters, key) - before[key] for key in COUNTED}
     batches = max(delta["batches"], 1)
     return {
+        "blocks": blocks / batches,
+        "preempted": preempted / batches,
         "wait_ms": delta["forward_wait_s"] * 1e3 / batches,
         "forward_ms": delta["forward_s"] * 1e3 / batches,
         "wait_share": delta["forward_wait_s"] / max(delta["forward_s"], 1e-9),
@@ -145,6 +166,8 @@ def measure(plan: Plan) -> tuple[str, str]:
                 spread([w["wait_ms"] for w in got]).fmt(2),
                 spread([w["forward_ms"] for w in got]).fmt(1),
                 spread([100 * w["wait_share"] for w in got]).fmt(1, "%"),
+                spread([w["blocks"] for w in got]).fmt(1),
+                spread([w["preempted"] for w in got]).fmt(1),
                 spread([w["images_per_batch"] for w in got]).fmt(1),
                 spread([w["images_per_s"] for w in got]).fmt(1),
                 spread([w["host_ms"] for w in got]).fmt(1) if name != "pixels given" else "-",
@@ -152,7 +175,7 @@ def measure(plan: Plan) -> tuple[str, str]:
         )
     waits = {name: [w["wait_ms"] for w in measured[name]] for name in SETUPS}
     fewer = ratio(waits["threads"], waits["processes"]).fmt(2, "x")
-    rows.append(["**threads / processes, wait per batch**", f"**{fewer}**"] + [""] * 5)
+    rows.append(["**threads / processes, wait per batch**", f"**{fewer}**"] + [""] * 7)
     conditions = (
         f"Preset {plan.preset}, float32, cpu backend, one torch thread for the forward; "
         f"{plan.clients} closed-loop clients, one {plan.side}x{plan.side} JPEG per call "
@@ -162,19 +185,38 @@ def measure(plan: Plan) -> tuple[str, str]:
         "alternating the setups: median (min–max). Wait: "
         "the forward thread's wall time minus its CPU time (`time.thread_time()`) over each "
         "forward, the rank's `forward_wait_s` per batch; share: of the forward's wall time. "
-        "Host: decode and preprocessing per image, wall time on its worker (a thread, or a "
-        "thread waiting for its process)."
+        "Blocked and preempted: the forward thread's voluntary and nonvoluntary context "
+        "switches per batch (Linux), over the whole window: it blocked (on the GIL, or "
+        "waiting for its next batch: the floor's count), or the kernel gave its core to "
+        "another thread or process; the two columns tell the GIL from a busy machine. Host: "
+        "decode and preprocessing per image, wall time on its worker (a thread, or a thread "
+        "waiting for its process)."
     )
     header = ["decode", "wait ms / batch", "forward ms / batch", "wait share",
-              "images / batch", "images/s", "host ms / image"]  # fmt: skip
+              "blocked / batch", "preempted / batch", "images / batch", "images/s",
+              "host ms / image"]  # fmt: skip
     return conditions, table(header, rows)
 
 
-def sections(quick: bool, plan: Plan = Plan()) -> list[Section]:
-    if quick:
-        plan = dataclasses.replace(plan, seconds=3.0, repeats=3)
-    conditions, rows = measure(plan)
-    return [Section("Decode off the forward's GIL", plan.command, [conditions, rows])]
+# The page's plans: the GPU run's 448x448 photos, and small ones, whose forward is many
+# short operations (closer to a GPU's launches) beside a decode of about the same length.
+PAGE_PLANS = (Plan(), Plan(side=112, per_batch=16))
+
+
+def sections(quick: bool, plans: tuple[Plan, ...] = PAGE_PLANS) -> list[Section]:
+    parts = []
+    for plan in plans:
+        if quick:
+            plan = dataclasses.replace(plan, seconds=3.0, repeats=3)
+        parts += measure(plan)
+    command = " and ".join(f"`{plan.command}`" for plan in plans).strip("`")
+    return [Section("Decode off the forward's GIL", command, parts)]
+
+
+def argv_names_a_plan(argv: list[str] | None) -> bool:
+    """Whether the command line sets the plan (else the page's plans run)."""
+    words = sys.argv[1:] if argv is None else argv
+    return any(w.split("=")[0] in ("--preset", "--side", "--per-batch", "--workers") for w in words)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def make(args) -> list[Section]:
         plan = Plan(args.preset, args.side, args.per_batch, args.workers)
-        return sections(args.quick, plan)
+        return sections(args.quick, (plan,) if argv_names_a_plan(argv) else PAGE_PLANS)
 
     return standalone(__doc__, make, argv, parser)
 

@@ -686,8 +686,10 @@ def test_a_decode_window_counts_the_forward_wait_of_its_own_batches():
     finally:
         batcher.close()
     assert set(got) == {
-        "wait_ms", "forward_ms", "wait_share", "images_per_batch", "images_per_s", "host_ms"
+        "wait_ms", "forward_ms", "wait_share", "images_per_batch", "images_per_s", "host_ms",
+        "blocks", "preempted",
     }  # fmt: skip
+    assert got["blocks"] > 0  # the forward thread waits for its batches, at least
     assert 0.0 <= got["wait_ms"] <= got["forward_ms"]
     assert 0.0 <= got["wait_share"] <= 1.0
     assert 1.0 <= got["images_per_batch"] <= 4.0
