@@ -398,7 +398,7 @@ class DecodeProcesses:
         self.retain_bytes = retain_bytes
         self.images = 0  # answered with pixels
         self.errors = 0  # answered with the image's own error
-        self.died = 0  # workers that died holding an image
+        self.died = 0  # workers found dead (each replaced), holding an image or idle
         self._changed = threading.Condition()
         self._closed = False
         self._workers: list[_Worker] = []
@@ -426,12 +426,16 @@ class DecodeProcesses:
             except _Gone:
                 raise self._replace(worker) from None
             except Exception:
-                self.errors += 1
+                self._count("errors")
                 raise
         finally:
             self._give_back(worker)
-        self.images += 1
+        self._count("images")
         return host
+
+    def _count(self, counter: str) -> None:
+        with self._changed:  # calls run on several threads
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def _send(self, worker: _Worker, data: bytes, cfg: DeferredPreprocessing, patch: int) -> None:
         """The image to ``worker``; one that died while idle held nothing: a new one
@@ -468,7 +472,7 @@ class DecodeProcesses:
         worker.stop()
         if self._closed:
             return _closed()
-        self.died += 1
+        self._count("died")
         try:
             worker.start()
             replaced = "a new one took its place"
