@@ -21,6 +21,7 @@ import torch
 
 from . import preprocess as pp
 from .config import PRESETS, PreprocessConfig, VisionConfig, resolve_configs
+from .execution import ExecutionConfig, check_execution, prepare
 from .features import AUTO_RULE, FEATURE_DTYPES, auto_dtype, dtype_name, torch_dtype
 from .items import (
     MSG_LENGTH,
@@ -93,7 +94,12 @@ def exact_float32(device: torch.device, dtype: torch.dtype) -> None:
 
 
 class VisionEncoder:
-    """Tower + projector on one device, with the checkpoint's preprocessing."""
+    """Tower + projector on one device, with the checkpoint's preprocessing.
+
+    ``execution`` says how the tower runs: 'eager', 'compiled', 'graphs' or 'auto', or an
+    ``ExecutionConfig`` with its buckets and budget (``kimi_encoder.execution``); compiling,
+    capturing or measuring happens here, before the first encode.
+    """
 
     def __init__(
         self,
@@ -103,6 +109,7 @@ class VisionEncoder:
         *,
         name: str,
         backend: str = "auto",
+        execution: str | ExecutionConfig = "auto",
     ):
         self.model = model
         self.vision = vision
@@ -112,6 +119,7 @@ class VisionEncoder:
         self.dtype = next(model.parameters()).dtype
         self.backend = resolve_backend(backend, self.device)
         exact_float32(self.device, self.dtype)
+        self.execution = prepare(model, execution)
         self._streams = threading.local()  # per-thread CUDA streams of prepare()
 
     @classmethod
@@ -123,6 +131,7 @@ class VisionEncoder:
         dtype: str | torch.dtype = "auto",
         backend: str = "auto",
         seed: int = 0,
+        execution: str | ExecutionConfig = "auto",
     ) -> VisionEncoder:
         """Load a checkpoint directory, or build a preset with seeded random weights.
 
@@ -130,7 +139,10 @@ class VisionEncoder:
         """
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        resolve_backend(backend, dev)  # fail fast on a bad backend, before loading weights
+        # Fail fast on a bad backend or execution, before loading weights.
+        resolve_backend(backend, dev)
+        execution = ExecutionConfig.of(execution)
+        check_execution(execution, dev, dt)
         vision, preprocess, name = resolve_configs(checkpoint)
         if str(checkpoint) in PRESETS:
             log.warning(
@@ -142,7 +154,7 @@ class VisionEncoder:
             model = random_model(vision, seed, dev, dt)
         else:
             model = load_model(checkpoint, vision, dev, dt)
-        return cls(model, vision, preprocess, name=name, backend=backend)
+        return cls(model, vision, preprocess, name=name, backend=backend, execution=execution)
 
     def plan(self, data: bytes, backend: str | None = None, **limits) -> EncoderItem:
         """Admit one encoded image (header only) with this encoder's preprocessing."""
@@ -229,7 +241,7 @@ class VisionEncoder:
         if not items:
             return []
         grids = [item.grid for item in items]
-        features = self.model(torch.cat(list(pixels)), grids)
+        features = self.execution(torch.cat(list(pixels)), grids)
         counts = [self.vision.num_tokens(item.grid) for item in items]
         assert features.shape[0] == sum(counts), (tuple(features.shape), counts)
         return list(features.split(counts))
@@ -239,7 +251,7 @@ class VisionEncoder:
         """Run tower and projector on one synthetic ``side x side``-patch image (calibration)."""
         p = self.vision.patch_size
         pixels = torch.zeros(side * side, 3, p, p, device=self.device)
-        self.model(pixels, [(1, side, side)])
+        self.execution(pixels, [(1, side, side)])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -251,4 +263,5 @@ class VisionEncoder:
             "device": str(self.device),
             "backend": self.backend,
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            "execution": self.execution.info(),
         }

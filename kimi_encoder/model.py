@@ -23,16 +23,24 @@ attention output does not depend on which other images share its batch.
 Tables that depend only on an image's grid (interpolated position embeddings,
 rotary factors) are cached per (h, w), device and dtype in small LRU caches;
 a cached table is bit for bit the one computed afresh.
+
+Pieces between attention calls, for ``kimi_encoder.execution``: the patch
+embedding, each block's ``pre_attention`` (norm, qkv, rotary) and
+``post_attention`` (output projection, residuals, norm, MLP), and the projector
+are plain tensor code, which ``torch.compile`` takes whole ("piecewise"), with the
+patch count left dynamic. Attention stays outside them: its segments are a list of
+lengths (one SDPA call per image, or ``varlen_attn``'s Python ``max_len``), which
+would specialize a compiled graph on every batch's composition, and both already
+call fused attention kernels. ``VisionTower.encode`` is everything from pixels to
+the final norm over tables computed beforehand: what a CUDA graph captures.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import VisionConfig
+from .tables import TableCache
 
 try:
     from torch.nn.attention.varlen import varlen_attn
@@ -55,52 +64,6 @@ def _norm(cfg: VisionConfig, dim: int) -> nn.Module:
     if cfg.norm_type == "rmsnorm":
         return nn.RMSNorm(dim)
     return nn.LayerNorm(dim, eps=1e-5)
-
-
-class TableCache:
-    """A least-recently-used map from a key to a derived tensor, bounded in bytes.
-
-    A table larger than the bound is returned but not kept. Callers never
-    modify a returned table in place.
-    """
-
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self._tables: OrderedDict[Hashable, torch.Tensor] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._tables)
-
-    def get(self, key: Hashable, compute: Callable[..., torch.Tensor], *args) -> torch.Tensor:
-        """The table under ``key``, or ``compute(*args)`` (kept if it fits)."""
-        with self._lock:
-            table = self._tables.get(key)
-            if table is not None:
-                self._tables.move_to_end(key)
-                return table
-        table = compute(*args)
-        size = table.numel() * table.element_size()
-        with self._lock:
-            if size <= self.max_bytes and key not in self._tables:
-                self._tables[key] = table
-                self.bytes += size
-                while self.bytes > self.max_bytes:
-                    _, old = self._tables.popitem(last=False)
-                    self.bytes -= old.numel() * old.element_size()
-        return table
-
-    def clear(self) -> None:
-        with self._lock:
-            self._tables.clear()
-            self.bytes = 0
-
-    def __getstate__(self) -> dict:  # a copy or a pickle starts empty
-        return {"max_bytes": self.max_bytes}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["max_bytes"])
 
 
 class PositionEmbedding(nn.Module):
@@ -159,7 +122,8 @@ class PositionEmbedding(nn.Module):
         """(h*w, D): the weight resampled to an h x w grid (uncached)."""
         table = self.weight.permute(2, 0, 1).unsqueeze(0)  # (1, D, H0, W0)
         pos = F.interpolate(table, size=(h, w), mode=self.mode, align_corners=False)
-        return pos.squeeze(0).permute(1, 2, 0).flatten(0, 1)  # (h*w, D)
+        # Contiguous, as every other table is: one layout for a compiled patch embedding.
+        return pos.squeeze(0).permute(1, 2, 0).flatten(0, 1).contiguous()  # (h*w, D)
 
     def _apply(self, fn, recurse=True):
         self.tables.clear()
@@ -190,17 +154,18 @@ class PatchEmbed(nn.Module):
         )
         self.pos_emb = PositionEmbedding(cfg)
 
-    def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(N, 3, p, p) pixels and their (N, hidden) position embedding -> (N, hidden)."""
         # The patch-sized, patch-strided convolution is one matmul over flattened patches:
         # the same numbers, without cuDNN (whose float32 convolutions run in TF32 by
         # default, so float32 on CUDA would not be float32). The weights stay the conv's.
         weight = self.proj.weight.flatten(1)  # (hidden, 3*p*p)
-        x = F.linear(pixels.flatten(1), weight, self.proj.bias)  # (num_patches, hidden)
-        return x + self.pos_emb(grids)
+        return F.linear(pixels.flatten(1), weight, self.proj.bias) + pos
 
 
 def rope_table(h: int, w: int, head_dim: int, theta: float, device) -> torch.Tensor:
-    """(h*w, head_dim/2) complex64 factors of one frame, patches row-major.
+    """(h*w, head_dim/2, 2) rotations of one frame, patches row-major: each angle's
+    (cos, sin), the real view of its complex factor.
 
     Frequencies ``1/theta^(k/head_dim)`` for k = 0, 4, 8, ...; a patch at
     (y, x) gets ``[cis(x f0), cis(y f0), cis(x f1), cis(y f1), ...]``.
@@ -211,13 +176,13 @@ def rope_table(h: int, w: int, head_dim: int, theta: float, device) -> torch.Ten
     ys = torch.arange(h, device=device).float().repeat_interleave(w)
     xs = torch.arange(w, device=device).float().repeat(h)
     angles = torch.stack([torch.outer(xs, freqs), torch.outer(ys, freqs)], dim=-1)
-    return torch.polar(torch.ones_like(angles), angles).flatten(1)  # (h*w, head_dim/2)
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles).flatten(1))
 
 
 class Rope2D(nn.Module):
-    """(num_patches, head_dim/2) factors of several images: each frame's ``rope_table``,
-    cached per (h, w) and device, repeated over its t frames (read-only, like the
-    position embedding)."""
+    """(num_patches, head_dim/2, 2) rotations of several images: each frame's
+    ``rope_table``, cached per (h, w) and device, repeated over its t frames (read-only,
+    like the position embedding)."""
 
     def __init__(self, head_dim: int, theta: float, cache_bytes: int = 64 << 20):
         super().__init__()
@@ -229,14 +194,29 @@ class Rope2D(nn.Module):
         for t, h, w in grids:
             key = (h, w, device)
             table = self.tables.get(key, rope_table, h, w, self.head_dim, self.theta, device)
-            out.append(table if t == 1 else table.repeat(t, 1))
+            out.append(table if t == 1 else table.repeat(t, 1, 1))
         return out[0] if len(out) == 1 else torch.cat(out)  # one image: the table itself
 
 
-def apply_rope(x: torch.Tensor, cis: torch.Tensor) -> torch.Tensor:
-    """Rotate adjacent pairs (2j, 2j+1) of x: (N, heads, head_dim) by cis: (N, head_dim/2)."""
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate adjacent pairs (2j, 2j+1) of x: (N, heads, head_dim) by rope: (N, head_dim/2, 2).
+
+    Eager: one complex multiplication (faster on CPU than the real formula's strided
+    arithmetic, docs/gpu.md). Compiled: the real formula, which inductor fuses (it
+    generates no code for complex numbers); the two agree within float rounding.
+    """
+    if torch.compiler.is_compiling():
+        return rotate_pairs(x, rope)
     xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
-    return torch.view_as_real(xc * cis.unsqueeze(1)).flatten(-2).type_as(x)
+    cis = torch.view_as_complex(rope).unsqueeze(1)  # (N, 1, head_dim/2)
+    return torch.view_as_real(xc * cis).flatten(-2).type_as(x)
+
+
+def rotate_pairs(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """``apply_rope`` in real arithmetic: (a, b) -> (a cos - b sin, a sin + b cos)."""
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)  # each (N, heads, head_dim/2)
+    cos, sin = rope.unsqueeze(1).unbind(-1)  # each (N, 1, head_dim/2)
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
 
 
 @dataclass(frozen=True)
@@ -301,22 +281,31 @@ def choose_attention(
         raise ValueError(
             f"Unknown attention {requested!r}; allowed: {', '.join(ATTENTION_CHOICES)}."
         )
-    fits = (
+    why = varlen_unsupported(device_type, dtype, capability, varlen_fn)
+    if requested == "varlen" and why:
+        raise ValueError(f"attention 'varlen' {why}. Use attention 'auto' or 'sdpa'.")
+    small = mean_patches < VARLEN_BELOW_MEAN_PATCHES
+    fits = why is None
+    return "varlen" if requested == "varlen" or (requested == "auto" and fits and small) else "sdpa"
+
+
+def varlen_unsupported(
+    device_type: str, dtype: torch.dtype, capability: tuple[int, int] | None, varlen_fn
+) -> str | None:
+    """Why ``varlen_attn`` cannot run here (arguments as ``choose_attention``'s), or None."""
+    if (
         device_type == "cuda"
         and dtype in (torch.bfloat16, torch.float16)
         and capability is not None
         and capability >= (8, 0)
         and varlen_fn is not None
+    ):
+        return None
+    return (
+        f"needs a CUDA device of compute capability 8.0+, bfloat16 or float16 and "
+        f"torch.nn.attention.varlen.varlen_attn; got device {device_type!r} (capability "
+        f"{capability}), dtype {dtype}, varlen_attn {'present' if varlen_fn else 'missing'}"
     )
-    if requested == "varlen" and not fits:
-        raise ValueError(
-            f"attention 'varlen' needs a CUDA device of compute capability 8.0+, bfloat16 or "
-            f"float16 and torch.nn.attention.varlen.varlen_attn; got device {device_type!r} "
-            f"(capability {capability}), dtype {dtype}, varlen_attn "
-            f"{'present' if varlen_fn else 'missing'}. Use attention 'auto' or 'sdpa'."
-        )
-    small = mean_patches < VARLEN_BELOW_MEAN_PATCHES
-    return "varlen" if requested == "varlen" or (requested == "auto" and fits and small) else "sdpa"
 
 
 @functools.cache
@@ -373,15 +362,19 @@ class Block(nn.Module):
         self.wo = nn.Linear(cfg.qkv_hidden_size, cfg.hidden_size, bias=cfg.attn_bias)
         self.mlp = MLP(cfg)
 
-    def attention(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
-        qkv = self.wqkv(x).view(x.shape[0], 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(1)  # each (N, heads, head_dim)
-        q, k = apply_rope(q, cis), apply_rope(k, cis)
-        out = attend(q, k, v, segments)
-        return self.wo(out.flatten(1))  # (N, qkv) -> (N, hidden)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
+        q, k, v = self.pre_attention(x, rope)
+        return self.post_attention(x, attend(q, k, v, segments))
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
-        x = x + self.attention(self.norm0(x), cis, segments)
+    def pre_attention(self, x: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Norm, qkv projection, rotary: (N, hidden) -> q, k, v, each (N, heads, head_dim)."""
+        qkv = self.wqkv(self.norm0(x)).view(x.shape[0], 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(1)
+        return apply_rope(q, rope), apply_rope(k, rope), v
+
+    def post_attention(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Output projection and residual, then the MLP and its residual: (N, hidden)."""
+        x = x + self.wo(attended.flatten(1))  # (N, heads, head_dim) -> (N, hidden)
         return x + self.mlp(self.norm1(x))
 
 
@@ -391,9 +384,9 @@ class Encoder(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.final_layernorm = _norm(cfg, cfg.hidden_size)
 
-    def forward(self, x: torch.Tensor, cis: torch.Tensor, segments: Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, segments: Segments) -> torch.Tensor:
         for block in self.blocks:
-            x = block(x, cis, segments)
+            x = block(x, rope, segments)
         return self.final_layernorm(x)
 
 
@@ -411,10 +404,15 @@ class VisionTower(nn.Module):
     def forward(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         dtype = self.patch_embed.proj.weight.dtype  # of every activation
         segments = Segments.of(grids, pixels.device, dtype, self.attention_kernel)
-        x = self.patch_embed(pixels, grids)
-        cis = self.rope(grids, pixels.device)
-        x = self.encoder(x, cis, segments)
+        pos = self.patch_embed.pos_emb(grids)
+        x = self.encode(pixels, pos, self.rope(grids, pixels.device), segments)
         return merge_patches(x, grids, self.cfg.merge_kernel_size)
+
+    def encode(
+        self, pixels: torch.Tensor, pos: torch.Tensor, rope: torch.Tensor, segments: Segments
+    ) -> torch.Tensor:
+        """Packed patches with their grids' tables -> final hidden states (N, hidden)."""
+        return self.encoder(self.patch_embed(pixels, pos), rope, segments)
 
 
 def merge_patches(x: torch.Tensor, grids: Sequence[Grid], kernel: tuple[int, int]) -> torch.Tensor:

@@ -47,6 +47,42 @@ def oracle_encoder():
     return VisionEncoder.from_pretrained(ORACLE / "checkpoint", device="cpu", backend="cpu")
 
 
+# The buckets of the 'padded' encoders: small enough that the tests' images fill, overflow
+# and share them (a tiny-preset image has at most 1024 patches).
+PADDED_BUCKETS = (16, 64, 256, 1024, 4096)
+
+
+@pytest.fixture(scope="session")
+def encoder_in() -> Callable[..., VisionEncoder]:
+    """``encoder_in(checkpoint, mode, dtype="float32")``: a CPU encoder (cpu backend) whose
+    tower runs as ``mode``: 'eager', 'compiled', or 'padded' (the graphs mode's buckets and
+    padding, run without capture: ``PADDED_BUCKETS``, 8 images each). Built once per
+    session: the compiled ones compile once. A compiled encoder's ``graphs_compiled`` is
+    how many graphs its build compiled."""
+    from torch._dynamo.utils import counters
+
+    from kimi_encoder.execution import BucketRunner, Execution
+
+    made: dict[tuple, VisionEncoder] = {}
+
+    def _make(checkpoint, mode: str, dtype: str = "float32") -> VisionEncoder:
+        key = (str(checkpoint), mode, dtype)
+        if key not in made:
+            before = counters["stats"]["unique_graphs"]
+            execution = "compiled" if mode == "compiled" else "eager"
+            encoder = VisionEncoder.from_pretrained(
+                checkpoint, device="cpu", dtype=dtype, backend="cpu", execution=execution
+            )
+            encoder.graphs_compiled = counters["stats"]["unique_graphs"] - before
+            if mode == "padded":
+                runner = BucketRunner(encoder.model, PADDED_BUCKETS, 8, capture=False)
+                encoder.execution = Execution("padded", runner, {})
+            made[key] = encoder
+        return made[key]
+
+    return _make
+
+
 @pytest.fixture(scope="session")
 def images() -> list[bytes]:
     from serve_helpers import IMAGE_SPECS

@@ -27,7 +27,9 @@ def _items(encoder):
     ]
 
 
-def test_batching_is_invisible(encoder):
+@pytest.mark.parametrize("mode", ["eager", "compiled", "padded"])  # conftest.encoder_in
+def test_batching_is_invisible(encoder_in, tiny_checkpoint, mode):
+    encoder = encoder_in(tiny_checkpoint, mode)
     items = _items(encoder)
     batched = encoder.encode(items)
     for item, features in zip(items, batched, strict=True):
@@ -146,7 +148,7 @@ def test_patch_embedding_is_the_convolution(encoder):
     pixels = torch.randn(37, 3, p, p, generator=torch.Generator().manual_seed(0))
     grids = [(1, 37, 1)]
     with torch.inference_mode():
-        ours = embed(pixels, grids)
+        ours = embed(pixels, embed.pos_emb(grids))
         conv = torch.nn.functional.conv2d(pixels, embed.proj.weight, embed.proj.bias, stride=p)
         want = conv.flatten(1) + embed.pos_emb(grids)
     torch.testing.assert_close(ours, want, atol=1e-5, rtol=0)

@@ -1,0 +1,422 @@
+"""Execution modes of the tower (kimi_encoder/execution.py) against eager, the slow reference.
+
+On CPU: compiled features within 1e-4 of eager (float32) on every oracle image and a
+bfloat16 cosine of at least 0.9999; no graph break in a compiled piece and no compilation
+after the first batch, whatever its size; the graphs mode's bucketing and padding (run
+without capture) bit for bit the unpadded batch at every bucket edge; 'auto' and every
+config error. On CUDA (``pytest -m cuda``): captured graphs and compiled pieces against
+eager at Kimi-K3's full size, and 'auto' measuring on the device.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from images import image_bytes
+from safetensors.torch import load_file
+from torch._dynamo.utils import counters
+
+from benchmarks.device import device_random_model, seeded_pixels
+from kimi_encoder import execution as ex
+from kimi_encoder import model as m
+from kimi_encoder.cli import main
+from kimi_encoder.config import get_preset
+from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.weights import random_model
+
+TINY = get_preset("tiny").vision
+CUDA = torch.cuda.is_available()
+on_cuda = [pytest.mark.cuda, pytest.mark.skipif(not CUDA, reason="needs a CUDA device")]
+ORACLE_IMAGES = ["0_odd_100x37.png", "1_large_900x700.jpg", "2_rgba_alpha_600x500.png"]
+
+
+def pixels_of(grids, seed: int = 0, patch: int = 14) -> torch.Tensor:
+    n = sum(t * h * w for t, h, w in grids)
+    return torch.randn(n, 3, patch, patch, generator=torch.Generator().manual_seed(seed))
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("preset", ["tiny", "k3"])  # head_dim 24 and 128
+def test_real_rotation_equals_complex_within_rounding(preset, dtype):
+    """The compiled path's real formula against eager's complex multiplication: the same
+    products and sums, apart from where a kernel fuses a multiply-add (one rounding)."""
+    cfg = get_preset(preset).vision
+    grids = [(1, 6, 10), (1, 2, 2), (2, 4, 4)]
+    rope = m.Rope2D(cfg.head_dim, cfg.rope_theta)(grids, torch.device("cpu"))
+    n = rope.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    qkv = (3 * torch.randn(n, 3, cfg.num_heads, cfg.head_dim, generator=gen)).to(dtype)
+    q = qkv.unbind(1)[0]  # strided, as in the block
+    eager, real = m.apply_rope(q, rope), m.rotate_pairs(q, rope)
+    assert real.dtype == eager.dtype == dtype
+    bound = 4 * torch.finfo(dtype).eps * q.float().abs().max().item()
+    torch.testing.assert_close(real.float(), eager.float(), atol=bound, rtol=0)
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@pytest.mark.parametrize(
+    ("budget", "buckets"),
+    [
+        (16384, (512, 1024, 2048, 4096, 8192, 16384)),
+        (65536, (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)),
+        (1 << 20, tuple(1 << k for k in range(13, 21))),  # at most 8
+        (3000, (750, 1500, 3000)),
+        (1000, (1000,)),
+        (100, (100,)),
+    ],
+    ids=lambda v: str(v) if isinstance(v, int) else None,
+)
+def test_default_buckets(budget, buckets):
+    assert ex.default_buckets(budget) == buckets
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (
+            {"mode": "fast"},
+            r"Unknown execution 'fast'; allowed: eager, compiled, graphs, auto \('auto': eager "
+            "on CPU, the fastest measured at start on CUDA\\)",
+        ),
+        (
+            {"graph_buckets": (2, 64)},
+            r"graph_buckets must be patch counts of at least 4 .*\[2, 64\]",
+        ),
+        ({"graph_buckets": ()}, r"graph_buckets must be patch counts of at least 4 .*\[\]"),
+        ({"graph_max_images": 0}, "graph_max_images must be at least 1, got 0"),
+        ({"auto_budget_s": -1}, r"auto_budget_s must be >= 0, got -1"),
+    ],
+    ids=["mode", "small-bucket", "no-bucket", "images", "budget"],
+)
+def test_bad_execution_config(fields, match):
+    with pytest.raises(ValueError, match=match):
+        ex.ExecutionConfig(**fields)
+
+
+def test_buckets_are_sorted_and_unique():
+    assert ex.ExecutionConfig(graph_buckets=(64, 16, 64)).graph_buckets == (16, 64)
+
+
+GRAPHS_ON_CPU = (
+    r"execution 'graphs' cannot run here: CUDA graphs need a CUDA device, got device 'cpu'\. "
+    r"Use execution 'compiled', 'eager' or 'auto' \(which measures what this device can run\)"
+)
+
+
+def test_graphs_on_cpu_fail_before_weights_load(tmp_path):
+    """The mode is checked before the checkpoint is even read (it does not exist here)."""
+    with pytest.raises(ValueError, match=GRAPHS_ON_CPU):
+        VisionEncoder.from_pretrained(tmp_path / "missing", device="cpu", execution="graphs")
+    with pytest.raises(ValueError, match="Unknown execution 'fast'"):
+        VisionEncoder.from_pretrained(tmp_path / "missing", device="cpu", execution="fast")
+
+
+def test_cli_execution(oracle_dir, tmp_path, capsys):
+    image = str(oracle_dir / "images" / ORACLE_IMAGES[0])
+    out = str(tmp_path / "f.safetensors")
+    common = ["encode", "--checkpoint", str(oracle_dir / "checkpoint"), "--device", "cpu"]
+    assert main([*common, "--execution", "graphs", "--out", out, image]) == 2
+    assert "execution 'graphs' cannot run here: CUDA graphs need a CUDA device" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):  # argparse names the choices
+        main([*common, "--execution", "fast", "--out", out, image])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+    assert main([*common, "--execution", "eager", "--out", out, image]) == 0
+    want = load_file(str(oracle_dir / "expected.safetensors"))["features.0"]
+    torch.testing.assert_close(load_file(out)["features.0"], want, atol=1e-4, rtol=0)
+
+
+def test_auto_on_cpu_is_eager():
+    info = VisionEncoder.from_pretrained("tiny", device="cpu").info()["execution"]
+    assert info == {"mode": "eager", "requested": "auto", "reason": ex.CPU_RULE}
+
+
+# ----------------------------------------------------------------------------- compiled
+
+
+def _pieces(model: m.KimiVisionModel, grids):
+    """(name, eager piece, its inputs) of every compiled piece, on real activations."""
+    tower, block = model.vision_tower, model.vision_tower.encoder.blocks[0]
+    pixels = pixels_of(grids)
+    pos, rope = tower.patch_embed.pos_emb(grids), tower.rope(grids, pixels.device)
+    x = tower.patch_embed(pixels, pos)
+    q, k, v = block.pre_attention(x, rope)
+    attended = m.attend(q, k, v, m.Segments.of(grids, pixels.device, torch.float32, "sdpa"))
+    hidden = tower.encoder(x, rope, m.Segments.of(grids, x.device, x.dtype, "sdpa"))
+    merged = m.merge_patches(hidden, grids, tower.cfg.merge_kernel_size)
+    return [
+        ("patch embedding", tower.patch_embed.forward, (pixels, pos)),
+        ("pre-attention", block.pre_attention, (x, rope)),
+        ("post-attention", block.post_attention, (x, attended)),
+        ("projector", model.mm_projector.forward, (merged,)),
+    ]
+
+
+def test_no_graph_break_in_a_compiled_piece():
+    model = random_model(TINY, seed=1, device="cpu", dtype=torch.float32)
+    with torch.inference_mode():
+        for name, piece, args in _pieces(model, [(1, 6, 4), (1, 2, 2)]):
+            explained = torch._dynamo.explain(piece)(*args)
+            assert explained.graph_break_count == 0, (name, explained.break_reasons)
+            assert explained.graph_count == 1, name
+
+
+# Sizes after the warm-up: one 2x2 image (one token), the position table's own 16 x 16
+# (its table is the weight itself), several images, a tall one, the patch limit.
+SIZES = [
+    [(1, 2, 2)],
+    [(1, 16, 16)],
+    [(1, 4, 6), (1, 30, 22), (1, 2, 2)],
+    [(1, 64, 2)],
+    [(1, 32, 32)],
+]
+
+
+def test_compiled_pieces_compile_once_for_every_size(encoder_in, oracle_dir):
+    compiled = encoder_in(oracle_dir / "checkpoint", "compiled")
+    eager = encoder_in(oracle_dir / "checkpoint", "eager")
+    assert compiled.info()["execution"]["mode"] == "compiled"
+    assert compiled.graphs_compiled <= 4  # one per piece (none if this session had them)
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.inference_mode():
+        for seed, grids in enumerate(SIZES):
+            pixels = pixels_of(grids, seed)
+            got, want = compiled.execution(pixels, grids), eager.model(pixels, grids)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+@pytest.fixture(scope="module")
+def oracle_items(oracle_dir, oracle_encoder):
+    return [oracle_encoder.plan((oracle_dir / "images" / n).read_bytes()) for n in ORACLE_IMAGES]
+
+
+def test_compiled_matches_eager_on_every_oracle_image(encoder_in, oracle_dir, oracle_items):
+    compiled = encoder_in(oracle_dir / "checkpoint", "compiled")
+    eager = encoder_in(oracle_dir / "checkpoint", "eager")
+    expected = load_file(str(oracle_dir / "expected.safetensors"))
+    batched = compiled.encode(oracle_items)
+    for i, item in enumerate(oracle_items):
+        (alone,) = compiled.encode([item])
+        (reference,) = eager.encode([item])
+        for got in (alone, batched[i]):
+            assert (got - reference).abs().max() <= 1e-4, ORACLE_IMAGES[i]
+            torch.testing.assert_close(got, expected[f"features.{i}"], atol=1e-4, rtol=0)
+
+
+def test_compiled_bfloat16_stays_with_eager(encoder_in, oracle_dir, oracle_items):
+    compiled = encoder_in(oracle_dir / "checkpoint", "compiled", "bfloat16")
+    eager = encoder_in(oracle_dir / "checkpoint", "eager", "bfloat16")
+    assert compiled.dtype == torch.bfloat16
+    for i, (got, want) in enumerate(
+        zip(compiled.encode(oracle_items), eager.encode(oracle_items), strict=True)
+    ):
+        assert cosine(got, want) >= 0.9999, ORACLE_IMAGES[i]
+
+
+# ----------------------------------------------------------------------------- every mode
+
+
+MODES = ["eager", "compiled", "padded"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backends_give_the_same_features_in_every_mode(encoder_in, oracle_dir, mode):
+    """The gpu backend's pixels are the cpu backend's (tests/test_backends.py), so every
+    mode encodes them to the same features, bit for bit."""
+    encoder = encoder_in(oracle_dir / "checkpoint", mode)
+    kinds = [("RGBA", (300, 200)), ("P", (90, 60))]
+    data = [image_bytes(kind, size, seed=3) for kind, size in kinds]
+    cpu = encoder.encode([encoder.plan(d, backend="cpu") for d in data])
+    gpu = encoder.encode([encoder.plan(d, backend="gpu") for d in data])
+    for a, b in zip(cpu, gpu, strict=True):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- padded buckets
+
+
+# name: (buckets, images per bucket, grids, the bucket expected or None: eager)
+EDGES = {
+    "fills a bucket": ((16, 64), 8, [(1, 4, 4)], 16),
+    "one patch over a bucket": ((15, 64), 8, [(1, 4, 4)], 64),
+    "one patch over the largest": ((15,), 8, [(1, 4, 4)], None),
+    "one image in a bucket": ((64,), 8, [(1, 2, 2)], 64),
+    "several images": ((64, 256), 8, [(1, 4, 4), (1, 2, 6), (1, 2, 2)], 64),
+    "several images fill a bucket": ((32, 64), 8, [(1, 4, 4), (1, 2, 8)], 32),
+    "more images than a bucket holds": ((64,), 2, [(1, 2, 2)] * 3, None),
+    "as many images as it holds": ((64,), 3, [(1, 2, 2)] * 3, 64),
+    "frames": ((64,), 8, [(2, 2, 4), (1, 2, 2)], 64),
+    "a large batch": ((512, 2048), 8, [(1, 30, 22), (1, 16, 16), (1, 8, 12)], 2048),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("buckets", "max_images", "grids", "bucket"), EDGES.values(), ids=EDGES)
+def test_padded_bucket_is_bitwise_the_unpadded_batch(buckets, max_images, grids, bucket, dtype):
+    model = random_model(TINY, seed=2, device="cpu", dtype=dtype)
+    runner = ex.BucketRunner(model, buckets, max_images, capture=False)
+    pixels = pixels_of(grids)
+    with torch.inference_mode():
+        want = model(pixels, grids)
+        got = runner(pixels, grids)
+        again = runner(pixels, grids)  # buffers reused: nothing of the last batch stays
+    assert torch.equal(got, want)
+    assert torch.equal(again, want)
+    ran = {str(bucket): 2} if bucket else {}
+    assert runner.info()["bucket_batches"] == ran
+    assert runner.info()["eager_batches"] == (0 if bucket else 2)
+
+
+def test_a_bucket_forgets_the_batch_before(encoder_in, oracle_dir):
+    """A small batch after a large one in the same bucket: its padding rows held the large
+    batch's data, and its features are still the unpadded batch's."""
+    encoder = encoder_in(oracle_dir / "checkpoint", "padded")
+    large, small = [(1, 30, 22), (1, 16, 16)], [(1, 4, 6)]
+    with torch.inference_mode():
+        encoder.execution(pixels_of(large, 1), large)
+        got = encoder.execution(pixels_of(small, 2), small)
+        want = encoder.model(pixels_of(small, 2), small)
+    assert torch.equal(got, want)
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+def test_auto_keeps_the_fastest_and_names_what_it_skipped():
+    """On CPU, with the measurement CUDA ranks run: graphs cannot be captured here (skipped,
+    with its error), eager and compiled are timed, the faster kept, the other undone."""
+    model = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(2048,))
+    with torch.inference_mode():
+        chosen = ex.choose_fastest(model, config, ["eager", "graphs", "compiled"], {})
+        info = chosen.info()
+        assert set(info["measured_ms"]) == {"eager", "compiled"}
+        assert chosen.mode == min(info["measured_ms"], key=info["measured_ms"].get)
+        assert info["skipped"]["graphs"].startswith("RuntimeError")
+        assert info["probe_patches"] == [1024, 2048]
+        block = model.vision_tower.encoder.blocks[0]
+        assert ("pre_attention" in block.__dict__) == (chosen.mode == "compiled")
+        grids = [(1, 4, 6)]
+        torch.testing.assert_close(
+            chosen(pixels_of(grids), grids),
+            random_model(TINY, seed=4, device="cpu", dtype=torch.float32)(pixels_of(grids), grids),
+            atol=1e-4,
+            rtol=0,
+        )
+
+
+def test_auto_stops_when_its_budget_is_spent():
+    model = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(1024,), auto_budget_s=0)
+    with torch.inference_mode():
+        chosen = ex.choose_fastest(model, config, ["eager", "compiled"], {})
+    assert chosen.mode == "eager"
+    assert chosen.info()["skipped"] == {"compiled": "auto_budget_s (0 s) spent"}
+    assert "pre_attention" not in model.vision_tower.encoder.blocks[0].__dict__
+
+
+# ----------------------------------------------------------------------------- CUDA
+
+
+@functools.cache
+def k3_graphs() -> tuple[m.KimiVisionModel, ex.BucketRunner]:
+    """K3 at full size in bfloat16 (weights drawn on the GPU), its eager attention forced to
+    varlen, the kernel its graphs capture, and graphs of two buckets; built once."""
+    model = device_random_model(get_preset("k3").vision, 0, "cuda", torch.bfloat16)
+    model.vision_tower.attention_kernel = "varlen"
+    return model, ex.BucketRunner(model, (1024, 4096), 8, capture=True)
+
+
+@pytest.mark.parametrize(
+    ("grids", "bucket"),
+    [
+        ([(1, 32, 32)], 1024),  # fills the bucket
+        ([(1, 16, 24), (1, 8, 8), (1, 2, 2)], 1024),  # several images, padding
+        ([(1, 32, 32), (1, 2, 2)], 4096),  # over the first bucket
+        ([(1, 64, 80)], None),  # over the largest: eager
+    ],
+    ids=["fills", "several", "over", "eager"],
+)
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graphs_match_eager(grids, bucket):
+    """Replays against the eager tower with the same attention kernel, bfloat16, K3: the
+    matmuls may pick other kernels for another row count (the bounds of an image alone
+    and in a batch, tests/test_cuda_checks.py)."""
+    model, runner = k3_graphs()
+    pixels = seeded_pixels(grids, model.cfg.patch_size, "cuda")
+    other = [(1, 30, 30)]
+    before = dict(runner.bucket_batches), runner.eager_batches
+    with torch.inference_mode():
+        want = model(pixels, grids).float()
+        got = runner(pixels, grids).float()
+        runner(seeded_pixels(other, 14, "cuda", seed=1), other)  # another batch between
+        again = runner(pixels, grids).float()
+    torch.cuda.synchronize()
+    assert torch.isfinite(got).all()
+    assert rel_l2(got, want) <= 1e-2
+    assert cosine(got, want) >= 0.999
+    assert torch.equal(got, again)  # a replay depends on nothing but its own batch
+    ran = runner.bucket_batches[bucket] - before[0].get(bucket, 0) if bucket else 0
+    assert (ran, runner.eager_batches - before[1]) == ((2, 0) if bucket else (0, 2))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_compiled_matches_eager():
+    """The tiny tower (compiling K3's pieces would cost the GPU check a minute), bfloat16."""
+    model = device_random_model(TINY, 0, "cuda", torch.bfloat16)
+    grids = [(1, 16, 24), (1, 8, 8), (1, 2, 2)]
+    pixels = seeded_pixels(grids, model.cfg.patch_size, "cuda")
+    with torch.inference_mode():
+        want = model(pixels, grids).float()
+        got = ex.prepare(model, "compiled")(pixels, grids).float()
+    assert cosine(got, want) >= 0.9999
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_float32_compiled_matches_the_oracle(oracle_dir, oracle_items):
+    encoder = VisionEncoder.from_pretrained(
+        oracle_dir / "checkpoint", device="cuda", dtype="float32", execution="compiled"
+    )
+    expected = load_file(str(oracle_dir / "expected.safetensors"))
+    for i, got in enumerate(encoder.encode(oracle_items)):
+        torch.testing.assert_close(got.cpu(), expected[f"features.{i}"], atol=1e-4, rtol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_graphs_refuse_float32():
+    with pytest.raises(ValueError, match=r"which needs a CUDA device of compute capability 8\.0\+"):
+        VisionEncoder.from_pretrained("tiny", device="cuda", dtype="float32", execution="graphs")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_auto_measures_and_reports():
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(1024, 4096), auto_budget_s=300)
+    encoder = VisionEncoder.from_pretrained("tiny", device="cuda", execution=config)
+    info = encoder.info()["execution"]
+    assert info["requested"] == "auto"
+    assert set(info["measured_ms"]) | set(info["skipped"]) == {"eager", "graphs", "compiled"}
+    assert info["mode"] == min(info["measured_ms"], key=info["measured_ms"].get)
+    assert info["probe_patches"] == [1024, 4096]
