@@ -29,6 +29,7 @@ from pydantic import (
 
 from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.engines.transport import DEFAULT_RECEIVE_NETWORKS, ReceivePolicy, parse_networks
+from kimi_encoder.execution import ExecutionConfig, check_mode, default_buckets
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
 
@@ -153,11 +154,57 @@ class ModelArgs(Section):
         "(PIL) or 'auto' (gpu on a cuda rank, else cpu). Requests may override with gpu/cpu.",
     )
 
+    execution: str = Field(
+        "auto",
+        description="How each rank runs the tower: 'eager', 'compiled' (torch.compile of the "
+        "pieces between attention calls), 'graphs' (CUDA graphs over patch buckets; CUDA, "
+        "bfloat16 or float16, compute capability 8.0+) or 'auto' (eager on CPU; on CUDA the "
+        "fastest the rank measures at start within auto_budget_s). docs/gpu.md.",
+    )
+    graph_buckets: list[int] = Field(
+        [],
+        description="Patch budgets of the CUDA graphs ('graphs', or 'auto' measuring it); "
+        "empty: ranks.batching.max_batch_patches halved down to 512, at most 8 budgets.",
+    )
+    graph_max_images: int = Field(
+        64, ge=1, description="Most images in one graph's batch; a batch with more runs eager."
+    )
+    auto_budget_s: float = Field(
+        120.0,
+        ge=0,
+        description="Seconds a CUDA rank's 'auto' may spend building and timing the modes at "
+        "start; a mode starts only while time is left (the one started runs to its end).",
+    )
+
     @field_validator("preprocess_backend")
     @classmethod
     def _known_backend(cls, value: str) -> str:
         resolve_backend(value, "cpu")  # raises the library's unsupported-backend error
         return value
+
+    @field_validator("execution")
+    @classmethod
+    def _known_execution(cls, value: str) -> str:
+        return check_mode(value)  # raises the library's unknown-execution error
+
+    @field_validator("graph_buckets")
+    @classmethod
+    def _bucket_sizes(cls, value: list[int]) -> list[int]:
+        bad = [n for n in value if n < 4]
+        if bad:
+            raise ValueError(
+                f"graph_buckets must be patch counts of at least 4 (one 2x2 image), got {bad}."
+            )
+        return value
+
+    def execution_config(self, max_batch_patches: int) -> ExecutionConfig:
+        """The library's execution config of a rank batching up to ``max_batch_patches``."""
+        return ExecutionConfig(
+            mode=self.execution,
+            graph_buckets=tuple(self.graph_buckets or default_buckets(max_batch_patches)),
+            graph_max_images=self.graph_max_images,
+            auto_budget_s=self.auto_budget_s,
+        )
 
     def resolved(self, num_gpus: float) -> ModelArgs:
         """This section as ranks with ``num_gpus`` GPUs each run it: no 'auto', no None."""
@@ -712,6 +759,17 @@ class AppArgs(Section):
             raise ValueError(
                 f"model.device 'cuda' needs ranks.actor_options.num_gpus >= 1 (got {gpus}); "
                 "set ranks: {actor_options: {num_gpus: 1}} or model: {device: cpu}."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_need_cuda(self) -> AppArgs:
+        device = self.model_as_run.device
+        if self.model.execution == "graphs" and device != "cuda":
+            raise ValueError(
+                f"model.execution 'graphs' captures CUDA graphs, but the ranks run on "
+                f"{device!r}; set model: {{device: cuda}} with ranks: {{actor_options: "
+                "{num_gpus: 1}}, or model.execution 'compiled', 'eager' or 'auto'."
             )
         return self
 

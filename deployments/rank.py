@@ -100,6 +100,7 @@ class EncoderRank:
             dtype=model.dtype,
             backend=model.preprocess_backend,
             seed=model.seed,
+            execution=model.execution_config(ranks.batching.max_batch_patches),
         )
         if ranks.cache_bytes:
             store = node_object_store_bytes()
@@ -124,12 +125,15 @@ class EncoderRank:
         self.load_s = time.perf_counter() - started
         self.metrics = RankMetrics(rank)
         self.metrics.leased(0)
+        execution = self.encoder.execution.info()
         log.info(
-            "rank %d ready: %s on %s in %.1f s",
+            "rank %d ready: %s on %s in %.1f s, execution %s (%s)",
             rank,
             self.encoder.name,
             self.encoder.device,
             self.load_s,
+            execution["mode"],
+            ", ".join(f"{k} {v}" for k, v in execution.items() if k != "mode"),
         )
 
     def __del__(self) -> None:

@@ -267,6 +267,13 @@ class RankInfo(BaseModel):
         "(its info call failed, with an 'error'). Live and down ranks add their own report."
     )
     scaling_reason: str = Field("", description="Why the rank last started, drained or parked.")
+    execution: dict[str, Any] | None = Field(
+        None,
+        description="How this rank runs the tower (model.execution): mode ('eager', "
+        "'compiled' or 'graphs'), requested; for 'auto' on CUDA what was measured at start "
+        "(measured_ms per mode on probe_patches, build_s, skipped with why); with graphs "
+        "its buckets and the batches run in each or eagerly.",
+    )
 
 
 class InfoResponse(BaseModel):

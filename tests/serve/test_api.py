@@ -233,6 +233,9 @@ def test_info_health_and_docs(url):
     assert info["text_hidden_size"] == 80
     assert [r["rank"] for r in info["ranks"]] == [0, 1]
     assert all(r["state"] == "live" and r["device"] == "cpu" for r in info["ranks"])
+    # model.execution 'auto' on CPU: eager (kimi_encoder.execution.CPU_RULE)
+    assert all(r["execution"]["mode"] == "eager" for r in info["ranks"])
+    assert all(r["execution"]["requested"] == "auto" for r in info["ranks"])
     assert requests.get(f"{url}/healthz", timeout=30).json() == {"status": "ok"}
     assert requests.get(f"{url}/docs", timeout=30).status_code == 200
     spec = requests.get(f"{url}/openapi.json", timeout=30).json()

@@ -64,6 +64,9 @@ def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None
 def test_k3_8gpu_config():
     app, args, built = load("k3-8gpu.yaml")
     assert (args.dp_size, args.model.device, args.model.dtype) == (8, "cuda", "bfloat16")
+    assert args.model.execution == "auto"  # measured by each rank at start (docs/gpu.md)
+    config = args.model.execution_config(args.ranks.batching.max_batch_patches)
+    assert config.graph_buckets[-1] == args.ranks.batching.max_batch_patches
     assert args.model_as_run.preprocess_backend == "gpu"
     assert args.ranks.actor_options.num_gpus == 1
     assert not args.model.checkpoint.startswith(("tiny", "small"))
@@ -162,6 +165,25 @@ def test_cpu_config_fits_two_cores():
             r"ranks.batching.decode\n  Input should be 'threads' or 'processes' "
             r"\[type=literal_error, input_value='forks'",
         ),
+        (
+            {"model": {"execution": "fast"}},
+            r"model.execution\n  Value error, Unknown execution 'fast'; allowed: eager, "
+            r"compiled, graphs, auto",
+        ),
+        (
+            {"model": {"execution": "graphs"}},
+            r"model.execution 'graphs' captures CUDA graphs, but the ranks run on 'cpu'; set "
+            r"model: {device: cuda} with ranks: {actor_options: {num_gpus: 1}}, or "
+            r"model.execution 'compiled', 'eager' or 'auto'",
+        ),
+        (
+            {"model": {"graph_buckets": [1024, 2]}},
+            r"graph_buckets must be patch counts of at least 4 \(one 2x2 image\), got \[2\]",
+        ),
+        (
+            {"model": {"graph_max_images": 0}},
+            r"model.graph_max_images\n  Input should be greater than or equal to 1",
+        ),
     ],
     ids=[
         "backend",
@@ -186,6 +208,10 @@ def test_cpu_config_fits_two_cores():
         "dp-float",
         "queue-target",
         "decode",
+        "execution",
+        "graphs-on-cpu",
+        "graph-bucket",
+        "graph-images",
     ],
 )
 def test_bad_args_fail_validation(args, fragment):
