@@ -135,7 +135,8 @@ def sections(quick: bool, presets: tuple[str, ...] = ("tiny", "small")) -> list[
         "Start-up cost, seconds: building the encoder (seeded weights) eagerly; compiled from "
         "a cold cache (the first compilation of these shapes in the process, an empty "
         "inductor cache folder); compiled again after `torch._dynamo.reset()` with the "
-        f"on-disk cache the cold build left. `auto` on CPU runs eager: {CPU_RULE}."
+        "on-disk cache the cold build left. `auto` on CPU is eager "
+        f"(`kimi_encoder.execution.CPU_RULE`: {CPU_RULE})."
     )
     build_header = ["preset", "eager build", "compiled build, cold", "compiled build, warm"]
     return [

@@ -58,8 +58,8 @@ log = logging.getLogger(__name__)
 
 EXECUTION_MODES = ("eager", "compiled", "graphs", "auto")
 CPU_RULE = (
-    "eager on CPU: compiled measured no faster there (docs/benchmarks.md, 'Tower execution "
-    "modes') and costs a compilation at start"
+    "eager on CPU: compiled measured about as fast as eager there (docs/benchmarks.md, "
+    "'Tower execution modes') and costs a compilation at start"
 )
 # Buckets halve from the batch budget down to this many patches, at most MAX_BUCKETS of them.
 MIN_BUCKET_PATCHES = 512
