@@ -23,7 +23,7 @@ def test_compiled_ranks_answer_the_eager_features(deploy, images, reference):
         assert got.shape == tuple(ref.shape)
         np.testing.assert_allclose(got, ref.numpy(), rtol=0, atol=1e-4)
     (rank,) = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
-    assert rank["state"] == "ready"
+    assert rank["state"] == "live"
     assert rank["execution"]["mode"] == "compiled"
     assert rank["execution"]["requested"] == "compiled"
     assert rank["execution"]["build_s"] > 0
