@@ -281,6 +281,14 @@ def run_for(driver: Elastic, clock: Clock, seconds: float) -> None:
         driver.step()
 
 
+async def started(roster, ranks: list[Starting], rank: int) -> None:
+    """``rank`` wanted, woken and answering: live and held."""
+    roster.want(rank, "test")
+    roster.wake(rank, 5.0, lambda rank: None)
+    ranks[rank].started.set()
+    await roster._tasks["wake", rank]
+
+
 def test_elastic_ranks_start_parked_and_only_the_fixed_ones_take_work():
     driver, roster, _, _ = elastic()
     assert [roster.state(r) for r in range(3)] == ["live", "parked", "parked"]
@@ -367,10 +375,7 @@ def test_a_failed_start_is_tried_again_only_after_start_timeout_s():
 def test_a_rank_not_wanted_drains_gets_no_call_and_parks_when_serve_releases_it():
     async def scenario():
         driver, roster, ranks, clock = elastic(count=2)
-        roster.want(1, "test")
-        roster.wake(1, 5.0, lambda rank: None)
-        ranks[1].started.set()
-        await roster._tasks["wake", 1]
+        await started(roster, ranks, 1)
         generation = roster.generation(1)
         loads = ranks[1].loads
         with roster.dispatched(1, Work.of([10])):  # a call in flight when it is let go
@@ -394,10 +399,7 @@ def test_a_rank_not_wanted_drains_gets_no_call_and_parks_when_serve_releases_it(
 def test_a_draining_rank_takes_work_again_at_once_when_the_load_comes_back():
     async def scenario():
         driver, roster, ranks, clock = elastic(count=2)
-        roster.want(1, "test")
-        roster.wake(1, 5.0, lambda rank: None)
-        ranks[1].started.set()
-        await roster._tasks["wake", 1]
+        await started(roster, ranks, 1)
         run_for(driver, clock, 10.25)
         draining = roster.state(1)
         with roster.dispatched(0, Work.of([100] * 4)):
@@ -413,10 +415,7 @@ def test_a_draining_rank_takes_work_again_at_once_when_the_load_comes_back():
 def test_a_wanted_elastic_rank_is_held_by_one_open_call_until_it_is_not_wanted():
     async def scenario():
         _, roster, ranks, _ = elastic(count=2)
-        roster.want(1, "test")
-        roster.wake(1, 5.0, lambda rank: None)
-        ranks[1].started.set()
-        await roster._tasks["wake", 1]
+        await started(roster, ranks, 1)
         await asyncio.sleep(0)
         held = (ranks[1].holds, ranks[1].released)
         roster.unwant(1, "test")
@@ -462,10 +461,7 @@ def test_cache_hits_queue_no_work_and_wake_no_rank():
 def test_a_rank_wanted_again_right_after_it_was_let_go_is_held_again():
     async def scenario():
         _, roster, ranks, _ = elastic(count=2)
-        roster.want(1, "test")
-        roster.wake(1, 5.0, lambda rank: None)
-        ranks[1].started.set()
-        await roster._tasks["wake", 1]
+        await started(roster, ranks, 1)
         await asyncio.sleep(0)
         roster.unwant(1, "test")
         roster.want(1, "test")  # before the cancelled hold has ended
