@@ -15,7 +15,7 @@ import time
 import pytest
 import ray
 import requests
-from load import Load, pool, summary, wait_rejoined
+from load import Load, summary, wait_rejoined
 from serve_helpers import app_args, replica_actor, served
 
 pytestmark = pytest.mark.chaos
@@ -37,11 +37,6 @@ def url(serve_url):
     )
     with served(serve_url, APP, args) as url:
         yield url
-
-
-@pytest.fixture(scope="module")
-def chaos_images(reference):
-    return pool(reference)
 
 
 def info(url: str) -> dict:

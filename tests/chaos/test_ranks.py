@@ -15,7 +15,7 @@ import time
 import pytest
 import ray
 import requests
-from load import Load, pool, summary, wait_rejoined
+from load import Load, summary, wait_rejoined
 from ray import serve
 from serve_helpers import app_args, b64, replica_actor, replica_actor_name
 
@@ -49,11 +49,6 @@ def url(serve_url):
     serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
     serve.delete(APP)
-
-
-@pytest.fixture(scope="module")
-def chaos_images(reference):
-    return pool(reference)
 
 
 def info(url: str) -> dict:
