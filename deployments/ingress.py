@@ -103,7 +103,6 @@ class EncodeServer:
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
         self.metrics = IngressMetrics(len(ranks))
         self.roster.on_change = lambda: self.metrics.ranks_live(len(self.roster.takes_work()))
-        self.roster.on_change()
         self.fanout = FanOut(
             self.roster,
             self.dispatcher,
@@ -205,8 +204,11 @@ class EncodeServer:
         self._scale()
 
     def _scale(self) -> None:
+        """On every request: the elastic loop runs, and the live-rank gauge is current (a
+        value set in the constructor is exported without the app's tags)."""
         if self.elastic is not None:
             self.elastic.start()
+        self.metrics.ranks_live(len(self.roster.takes_work()))
 
     async def _rank_info(self, rank: int) -> dict[str, Any]:
         """A rank's own report, with the roster's view; ranks the roster sends no call
