@@ -138,24 +138,33 @@ class ServeRun:
             )
         return self
 
-    def wait_ready(self, timeout_s: float) -> float:
-        """Seconds until every app's ranks answer ``/v1/info`` as live."""
+    def wait_ready(self, timeout_s: float, prefixes: list[str] | None = None) -> float:
+        """Seconds from the start until each app of ``prefixes`` (route prefixes; None:
+        every app) has its ranks answer ``/v1/info`` as live."""
         deadline = time.monotonic() + timeout_s
-        waiting = [app["route_prefix"] for app in self.config["applications"]]
+        if prefixes is None:
+            prefixes = [app["route_prefix"] for app in self.config["applications"]]
+        waiting = list(prefixes)
         while waiting:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"serve run exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                ranks = get_json(self.client, f"{waiting[0]}/v1/info")["ranks"]
-                if all(rank.get("state") == "live" for rank in ranks):
-                    waiting.pop(0)
-                    continue
-            except (OSError, ValueError, KeyError):
-                pass  # not listening yet, or the app is not up
+            if self.live(waiting[0]):
+                waiting.pop(0)
+                continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{waiting} not ready after {timeout_s:.0f} s: {self.tail()}")
             time.sleep(0.5)
         return time.monotonic() - self.started
+
+    def live(self, prefix: str) -> bool:
+        """Whether the app at ``prefix`` answers ``/v1/info`` with every rank live within a
+        few seconds (Serve's proxy holds a request for an app still starting); raises when
+        ``serve run`` has exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"serve run exited with {self.proc.returncode}: {self.tail()}")
+        try:
+            ranks = get_json(self.client, f"{prefix}/v1/info", timeout_s=5)["ranks"]
+        except (OSError, ValueError, KeyError):
+            return False  # not listening yet, or the app is not up
+        return bool(ranks) and all(rank.get("state") == "live" for rank in ranks)
 
     def tail(self, size: int = 3000) -> str:
         return self.log.read_bytes()[-size:].decode(errors="replace")
@@ -243,6 +252,23 @@ def _clients(port, path, bodies, content_type, first, threads, stride, conn) -> 
     conn.send((done, errors))
 
 
+def client_context():
+    """The clients' processes fork from one server process that imported the running
+    script's modules once; each client still runs the script's top level again (as
+    ``__mp_main__``), its imports then already done. Without the preload each client
+    imports torch and the rest again, a second or more per window: the forkserver's own
+    preload of ``__main__`` never happens (CPython 3.11's ``ensure_running`` looks for a
+    ``main_path`` its preparation data does not have)."""
+    context = mp.get_context("forkserver")
+    main = sys.modules["__main__"]
+    name = getattr(main.__spec__, "name", None)
+    path = Path(getattr(main, "__file__", None) or "/").resolve()
+    if name is None and path.parent == ROOT / "benchmarks":
+        name = f"benchmarks.{path.stem}"
+    context.set_forkserver_preload(["torch", *([name] if name else [])])
+    return context
+
+
 @dataclass(frozen=True)
 class Load:
     clients: int
@@ -262,9 +288,7 @@ def load(
     """Closed-loop ``how.clients`` over ``how.processes`` processes for ``warm_s`` then
     ``window_s``; rates over the window, latencies of the requests sent inside it.
     ``marks``: called when the window opens and when it closes (counters, say)."""
-    # Forked from one server process that imported the script once: a spawned client
-    # would import it (torch and all) again in every window, seconds each.
-    context = mp.get_context("forkserver")
+    context = client_context()
     procs, conns = [], []
     share = [how.clients // how.processes] * how.processes
     share[: how.clients % how.processes] = [n + 1 for n in share[: how.clients % how.processes]]

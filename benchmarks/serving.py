@@ -398,9 +398,9 @@ class Encode:
         return get_json(self.client, f"{self.prefix}/v1/info")
 
 
-def get_json(client: Http, path: str) -> dict:
+def get_json(client: Http, path: str, timeout_s: float = 60) -> dict:
     """``GET path`` of ``client``'s server, as JSON (a connection of its own)."""
-    conn = http.client.HTTPConnection(client.host, client.port, timeout=60)
+    conn = http.client.HTTPConnection(client.host, client.port, timeout=timeout_s)
     try:
         conn.request("GET", path)
         return json.loads(conn.getresponse().read())
