@@ -179,6 +179,28 @@ def run_sections(
             torch.cuda.empty_cache()
 
 
+class Rolling(Mapping[str, float]):
+    """Deadlines of sections run in the order of ``shares`` (seconds of a run's budget
+    each), read as each starts: its own share, or more where those before it ended early,
+    since every section may run until the sum of the shares up to its own
+    (``--sections`` chooses which count)."""
+
+    def __init__(self, shares: Mapping[str, float], names: Sequence[str]):
+        self.shares = {name: shares[name] for name in names}
+        self.started = time.monotonic()
+
+    def __getitem__(self, name: str) -> float:
+        names = list(self.shares)
+        upto = sum(self.shares[n] for n in names[: names.index(name) + 1])
+        return max(self.shares[name], upto - (time.monotonic() - self.started))
+
+    def __iter__(self):
+        return iter(self.shares)
+
+    def __len__(self) -> int:
+        return len(self.shares)
+
+
 # --- the tower on a device ------------------------------------------------------------
 
 
