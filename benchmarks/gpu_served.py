@@ -10,25 +10,44 @@ CI runs the same sections on CPU with the tiny preset and a local Ray (tests/tes
 
     python benchmarks/gpu_served.py --cpu-smoke --out /tmp/gs
 
-Sections, each under its own deadline within the budget, written to ``--out``
-(``gpu_served.json``, ``gpu_served.md``, the tail of each ``serve run`` log) as they go:
+Sections, in this order, written to ``--out`` (``gpu_served.json``, ``gpu_served.md``,
+the tail of each ``serve run`` log) as they go:
 
 - site: Ray importable (the carried site unpacked), versions;
 - tower: the tower alone (the served preset's own weights, as ``VisionEncoder`` loads
-  them) on a batch of 448x448 JPEGs and on the mixed set (448x448 with large photos),
-  as large as a rank's batch can be; decode time per image alone: every ratio's
-  denominator;
-- batcher: the rank's batcher in-process, 8 and 32 clients of one image each;
-- http, cache off / http, every image cached: ``serve run`` of configs/k3-8gpu.yaml
-  turned into two apps on the GPU (dp 1 each, half a GPU each: ``/off`` with both
-  caches off and two ingress replicas, ``/on`` with the caches on and one), behind
-  Serve's proxy; multipart JPEGs, safetensors answers, 1 and 8 images per request, 8
-  and 32 clients; the mixed set; inside the rank, per image: queue, decode +
-  preprocess, pixels to the forward, forward (against the tower's), copy to the host,
-  object-store write, the GPU's busy share (rank counters from ``/v1/info``);
+  them) in each execution mode, eager, compiled and graphs, built in turn on the same
+  model: on 16 x 1024 patches (TFLOP/s, the datasheet's share), on a batch of 448x448
+  JPEGs and on the mixed set (448x448 with large photos), as large as a rank's batch
+  can be; the fastest mode per set is every ratio's denominator; decode time per image
+  alone (benchmarks/switches.py);
+- switches: every execution mode x decode (threads, processes) as an app of its own in
+  the proxy's ``serve run``, cache off, side by side: answers checked, then 8 and 1
+  images per request and the mixed set, each against the tower, with the rank's
+  execution and what happened inside it (benchmarks/switches.py);
+- http, cache off / http, every image cached: ``serve run`` of configs/k3-8gpu.yaml as
+  it ships (``execution: auto``, decode threads) turned into two apps on the GPU (dp 1
+  each: ``/off`` with both caches off and two ingress replicas, ``/on`` with the caches
+  on and one), in the same ``serve run`` as the switches' apps, behind Serve's proxy;
+  multipart JPEGs, safetensors answers, 1 and 8 images per request, 8 and 32 clients;
+  the mixed set; inside the rank, per image: queue, decode + preprocess, pixels to the
+  forward, forward (against the tower's), copy to the host, object-store write, the
+  forward thread's wait, the GPU's busy share (rank counters from ``/v1/info``);
+- batcher: the rank's batcher in-process (the tower's fastest mode), 8 and 32 clients
+  of one image each;
 - sglang parts: ``/encode`` parts of 8 images pushed to a ZMQ PULL sink here;
 - vllm files: encoder-cache files written onto a tmpfs ``ec_root``;
-- http via haproxy: both apps again behind Serve's HAProxy ingress.
+- http via haproxy: ``/off`` and ``/on`` again behind Serve's HAProxy ingress, in the
+  execution mode ``/off``'s rank chose behind the proxy (not measured again).
+
+The plan of the budget (470 s on the GPU, 8 minutes with the machine's start): each
+section has a share of it (``_SHARES``, adding up to the budget less the reserve for
+writing the report) and may also use what the sections before it left unused
+(``device.Rolling``). The decisive figures come first: the tower by mode (90 s, most of
+it compiling and capturing; the ranks then find inductor's cache warm), the switches
+(150 s: one start of every app, then about 5 s a window, 3 windows for each of 6
+variants), the shipped config behind the proxy (45 s, its server already up); the
+cached, batcher and hand-off sections get 15-25 s each, and HAProxy, which starts a
+``serve run`` of its own, the 80 s left.
 
 Each app's answers are first checked against the in-process encoder. Exit status 1
 when a check fails or a section errors.
@@ -43,7 +62,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -53,77 +71,58 @@ if __name__ == "__main__" and not __package__:  # run as a script: see benchmark
 
     import_from_checkout()
 
-from benchmarks.checkout import ROOT
 from benchmarks.common import Report, Section, Skip, say
 from benchmarks.device import (
+    Rolling,
     float32_settings,
     run_sections,
     script_arguments,
     start_run,
     versions_line,
 )
-from benchmarks.inprocess import batcher_section, tower_only_rate
+from benchmarks.device_apps import (
+    CONFIG,
+    Context,
+    Plan,
+    check_answers,
+    rank_info,
+    server,
+    stop_server,
+    window,
+)
+from benchmarks.inprocess import batcher_section
 from benchmarks.inputs import encoded, photo
 from benchmarks.served import (
     BUNDLE,
-    CONTENT_TYPE,
-    Load,
-    ServeRun,
     carried_site,
     counters,
     decode_time_ms,
     has_haproxy,
     inside_rank,
-    load,
-    multipart,
     multipart_bodies,
-    served_config,
     warm,
 )
-from benchmarks.serving import free_port, tmpfs
+from benchmarks.serving import tmpfs
+from benchmarks.switches import section_switches, tower_modes, variant_apps
 from kimi_encoder.config import get_preset
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.execution import ExecutionConfig
 
-CONFIG = ROOT / "configs" / "k3-8gpu.yaml"
 BATCH_PATCHES = 65536  # configs/k3-8gpu.yaml's max_batch_patches: the largest batch of a rank
 
-
-@dataclass(frozen=True)
-class Plan:
-    """Full sizes on the GPU, or --cpu-smoke's tiny ones on CPU."""
-
-    device: str
-    preset: str
-    dtype: str
-    side: int  # the square JPEGs' side
-    large: tuple[int, int]  # the mixed set's large photos
-    pool: int  # distinct square JPEGs
-    per_request: tuple[int, ...]
-    clients: tuple[int, ...]
-    warm_s: float
-    window_s: float
-    processes: int  # client processes
-    timed_s: float  # the tower's measuring time
-    apps: dict  # args of both apps on top of the config's (flat names)
-    cache_bytes: tuple[int, int]  # the /on app's rank and ingress caches
-    deadlines: dict[str, float]
-
-    def load(self, clients: int) -> Load:
-        return Load(clients, self.warm_s, self.window_s, min(self.processes, clients))
-
-
-# The two apps' ranks share the GPU; 4 logical CPUs per rank (its torch threads) and 1 per
-# ingress replica: 11 of the 16 cores.
+# Every rank gets an equal share of the GPU (``device_apps.run_apps``), 1 logical CPU (its
+# torch threads: its decode has decode_threads workers of its own) and each ingress replica
+# half of one: 8 ranks and 9 replicas of the proxy's run hold 12.5 of the 16 cores.
 GPU_APPS = {
-    "rank_actor_options": {"num_gpus": 0.5, "num_cpus": 4},
-    "ingress_actor_options": {"num_cpus": 1},
+    "rank_actor_options": {"num_cpus": 1},
+    "ingress_actor_options": {"num_cpus": 0.5},
 }
 CPU_APPS = {
     "device": "cpu",
     "dtype": "float32",
     "preprocess_backend": "cpu",
     "calibration_grids": [],
-    "rank_actor_options": {"num_gpus": 0, "num_cpus": 0},
+    "rank_actor_options": {"num_cpus": 0},
     "ingress_actor_options": {"num_cpus": 0},
     "ingress_replicas": 1,  # fewer processes to start on a small machine
 }
@@ -138,137 +137,40 @@ _PLANS = {
     "pool": (256, 16),
     "per_request": ((1, 8), (1, 8)),
     "clients": ((8, 32), (2, 4)),
-    "warm_s": (2.0, 0.3),
-    "window_s": (6.0, 0.8),
+    "warm_s": (1.5, 0.3),
+    "window_s": (4.0, 0.8),
     "processes": (4, 1),
-    "timed_s": (3.0, 0.2),
+    "timed_s": (2.0, 0.2),
+    "flops_mix": (("16 x 1024", ((1, 32, 32),) * 16), ("16 x 64", ((1, 8, 8),) * 16)),
     "apps": (GPU_APPS, CPU_APPS),
+    "variant_args": ({}, {"decode_threads": 1}),  # the config's 4 workers on the GPU
+    "switch_windows": (((8, 8), (1, 32)), ((8, 2), (1, 4))),
+    "switch_warm_s": (1.0, 0.3),
+    "switch_window_s": (3.0, 0.6),
     "cache_bytes": ((2 << 30, 1 << 30), (64 << 20, 32 << 20)),
 }
-# Seconds per section; the later sections' are the same in both.
-_DEADLINES = {
-    "site": (60, 30),
-    "tower": (60, 30),
-    "batcher": (60, 30),
-    "http, cache off": (170, 150),
-    "http, every image cached": (70, 70),
-    "sglang parts": (45, 45),
-    "vllm files": (45, 45),
-    "http via haproxy": (150, 150),
+# Seconds of the budget per section, in the order they run (device.Rolling: a section may
+# also use what those before it left). They add up to the budget less Report.RESERVE_S.
+_SHARES = {
+    "site": (15, 20),
+    "tower": (90, 45),
+    "switches": (150, 150),
+    "http, cache off": (45, 50),
+    "http, every image cached": (25, 30),
+    "batcher": (25, 20),
+    "sglang parts": (15, 25),
+    "vllm files": (15, 25),
+    "http via haproxy": (80, 95),
 }
 
 
 def _plan(column: int) -> Plan:
     """One column of the two tables above: 0 the GPU's, 1 --cpu-smoke's."""
     fields = {name: pair[column] for name, pair in _PLANS.items()}
-    return Plan(**fields, deadlines={name: pair[column] for name, pair in _DEADLINES.items()})
+    return Plan(**fields, shares={name: pair[column] for name, pair in _SHARES.items()})
 
 
 FULL, SMOKE = _plan(0), _plan(1)
-
-
-@dataclass
-class Context:
-    plan: Plan
-    out: Path
-    work: Path  # configs, logs, encoder-cache roots
-    images: list[bytes] = field(default_factory=list)  # the square JPEGs
-    mixed: list[bytes] = field(default_factory=list)  # square JPEGs and large photos
-    tower: dict[str, float] = field(default_factory=dict)  # images/s by set
-    decode_ms: dict[str, float] = field(default_factory=dict)
-    reference: list[torch.Tensor] = field(default_factory=list)  # the probes' features
-    encoder: VisionEncoder | None = None
-    server: ServeRun | None = None
-    kind: str = ""
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def ec_root(self, app: str) -> Path:
-        return self.work / "ec" / app
-
-
-# --------------------------------------------------------------------------- servers
-
-
-def server(ctx: Context, kind: str, sec: Section) -> ServeRun:
-    """The ``serve run`` behind ``kind`` ("proxy" or "haproxy"), started on first use (the
-    other one stopped first)."""
-    if "site" in ctx.failed:
-        raise Skip(f"Ray is not importable: {ctx.failed['site']}")
-    if ctx.server is not None and ctx.kind == kind:
-        return ctx.server
-    stop_server(ctx)
-    if kind in ctx.failed:
-        raise Skip(f"serve run ({kind}) did not start: {ctx.failed[kind]}")
-    plan = ctx.plan
-    rank_cache, ingress_cache = plan.cache_bytes
-    apps = {
-        "off": {"feature_cache_bytes": 0, "ingress_cache_bytes": 0, "ingress_replicas": 2},
-        "on": {"feature_cache_bytes": rank_cache, "ingress_cache_bytes": ingress_cache},
-    }
-    for app, args in apps.items():
-        ctx.ec_root(app).mkdir(parents=True, exist_ok=True)
-        args |= {"checkpoint": plan.preset, "dp_size": 1, "ec_root": str(ctx.ec_root(app))}
-        args |= {"ingress_replicas": args.get("ingress_replicas", 1), **plan.apps}
-    config = served_config(CONFIG, free_port(), apps)
-    haproxy = {"RAY_SERVE_ENABLE_HA_PROXY": "1" if kind == "haproxy" else "0"}
-    run = ServeRun(config, ctx.work / kind, ctx.work / f"serve_{kind}.log", haproxy)
-    ctx.server, ctx.kind = run.__enter__(), kind
-    try:
-        sec.record(f"serve run ({kind}) ready_s", run.wait_ready(max(10.0, sec.left() - 20)))
-    except BaseException as exc:
-        ctx.failed[kind] = f"{type(exc).__name__}: {str(exc)[:300]}"
-        stop_server(ctx)
-        raise
-    return run
-
-
-def stop_server(ctx: Context) -> None:
-    """Stop the running ``serve run`` and keep the end of its log with the report."""
-    if ctx.server is None:
-        return
-    run, ctx.server = ctx.server, None
-    run.__exit__(None, None, None)
-    (ctx.out / run.log.name).write_bytes(run.log.read_bytes()[-(1 << 20) :])
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def window(ctx: Context, run: ServeRun, app: str, sent, clients: int, tower: str) -> dict:
-    """A closed-loop window of ``sent`` bodies to ``app``; its figures, its ratio to the
-    tower on the same images, and what the rank did in it."""
-    prefix, marks = f"/{app}", []
-
-    def take() -> None:
-        marks.append(counters(run.client, prefix))
-
-    how = ctx.plan.load(clients)
-    figures = load(run.client.port, f"{prefix}/v1/encode", sent, CONTENT_TYPE, how, (take, take))
-    figures["of_tower"] = figures["images_per_s"] / ctx.tower[tower]
-    before, after = marks
-    wall = ctx.plan.window_s
-    figures["rank"] = inside_rank(before, after, wall, ctx.tower[tower], ctx.decode_ms[tower])
-    return figures
-
-
-def check_answers(sec: Section, ctx: Context, run: ServeRun, app: str) -> None:
-    """The probes' features as ``app`` answers them against the in-process encoder's:
-    float32 within 1e-4; bfloat16 (other batches round otherwise) cosine >= 0.999."""
-    from safetensors.torch import load as load_tensors
-
-    probes = ctx.images[: len(ctx.reference)]
-    body, kind = multipart(probes, response_format="safetensors")
-    data, _ = run.client.post(f"/{app}/v1/encode", body, kind)
-    tensors = load_tensors(data)
-    got = [tensors[f"features.{i}"].float() for i in range(len(probes))]
-    shapes = [tuple(g.shape) for g in got] == [tuple(r.shape) for r in ctx.reference]
-    if ctx.plan.dtype == "float32":
-        worst = max(float((g - r).abs().max()) for g, r in zip(got, ctx.reference, strict=True))
-        sec.check(f"/{app} answers match the encoder", shapes and worst <= 1e-4, max_abs=worst)
-    else:
-        pairs = zip(got, ctx.reference, strict=True)
-        cos = min(float(torch.cosine_similarity(g.flatten(), r.flatten(), dim=0)) for g, r in pairs)
-        sec.check(f"/{app} answers match the encoder", shapes and cos >= 0.999, cosine=cos)
 
 
 # --------------------------------------------------------------------------- sections
@@ -289,21 +191,19 @@ def section_site(sec: Section, ctx: Context) -> None:
 def section_tower(sec: Section, ctx: Context) -> None:
     plan = ctx.plan
     started = time.perf_counter()
-    enc = VisionEncoder.from_pretrained(plan.preset, device=plan.device, dtype=plan.dtype)
+    enc = VisionEncoder.from_pretrained(
+        plan.preset, device=plan.device, dtype=plan.dtype, execution="eager"
+    )
     built = {"preset": plan.preset, "dtype": plan.dtype, "backend": enc.backend}
     sec.record("encoder", {**built, "load_s": time.perf_counter() - started})
-    most = max(plan.per_request) * max(plan.clients)  # images in flight at most
-    for name, images in (("square", ctx.images), ("mixed", ctx.mixed)):
-        row = tower_only_rate(enc, images, BATCH_PATCHES, most, plan.timed_s)
-        ctx.tower[name] = row["images_per_s"]
-        sec.record(f"tower, {name} set", row)
     ctx.decode_ms["square"] = decode_time_ms(ctx.images[0])
     ctx.decode_ms["mixed"] = statistics.mean(decode_time_ms(data, 2) for data in ctx.mixed[:8])
     sec.record("decode_ms alone", ctx.decode_ms)
     sec.record("fp32_precision", float32_settings())
-    with torch.inference_mode():
+    with torch.inference_mode():  # eager: the reference every app's answers are checked against
         ctx.reference = [enc.encode([enc.plan(data)])[0].float().cpu() for data in ctx.images[:2]]
     ctx.encoder = enc
+    tower_modes(sec, ctx, enc, BATCH_PATCHES)
 
 
 def section_batcher(sec: Section, ctx: Context) -> None:
@@ -311,7 +211,9 @@ def section_batcher(sec: Section, ctx: Context) -> None:
         raise Skip("the tower section built no encoder")
     plan, enc = ctx.plan, ctx.encoder
     args = (ctx.images, plan.clients, plan.window_s, plan.timed_s, 4)
-    batcher_section(sec, enc.model, get_preset(plan.preset), f"preset:{plan.preset}", *args)
+    execution = ExecutionConfig(ctx.best_mode)  # buckets up to the batcher's own budget
+    name = f"preset:{plan.preset}"
+    batcher_section(sec, enc.model, get_preset(plan.preset), name, *args, execution=execution)
     for key, row in list(sec.results.items()):
         if key.startswith("concurrency"):
             sec.record(key, {**row, "of_tower": row["images_per_s"] / ctx.tower["square"]})
@@ -329,6 +231,9 @@ def section_http_off(sec: Section, ctx: Context) -> None:
     sec.record(f"mixed set, 8 per request, {min(ctx.plan.clients)} clients", row)
     errors = sum(r["errors"] for r in sec.results.values() if isinstance(r, dict) and "errors" in r)
     sec.check("every request answered 200", errors == 0, errors=errors)
+    execution = rank_info(run, "off").get("execution") or {}
+    sec.record("execution", execution)
+    ctx.served_mode = execution.get("mode")
 
 
 def section_http_cached(sec: Section, ctx: Context) -> None:
@@ -422,13 +327,15 @@ def section_haproxy(sec: Section, ctx: Context) -> None:
 SECTIONS: dict[str, tuple[Callable[[Section, Context], None], float]] = {
     "site": (section_site, 5),
     "tower": (section_tower, 10),
-    "batcher": (section_batcher, 10),
-    "http, cache off": (section_http_off, 40),
+    "switches": (section_switches, 30),
+    "http, cache off": (section_http_off, 30),
     "http, every image cached": (section_http_cached, 15),
+    "batcher": (section_batcher, 10),
     "sglang parts": (section_sglang, 10),
     "vllm files": (section_vllm, 10),
     "http via haproxy": (section_haproxy, 40),
 }
+assert list(SECTIONS) == list(FULL.shares), "every section has its share, in its order"
 
 
 # --------------------------------------------------------------------------- main
@@ -451,8 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out, "gpu_served", title, data, args.budget_s, intro)
     ctx = Context(plan, args.out, Path(tempfile.mkdtemp(prefix="kimi-served-", dir=tmpfs())))
     ctx.images, ctx.mixed = inputs(plan)
+    if "switches" in args.sections:
+        ctx.variant_apps = variant_apps(ctx)
     try:
-        run_sections(report, SECTIONS, args.sections, ctx, plan.deadlines)
+        run_sections(report, SECTIONS, args.sections, ctx, Rolling(plan.shares, args.sections))
     finally:
         stop_server(ctx)
         shutil.rmtree(ctx.work, ignore_errors=True)

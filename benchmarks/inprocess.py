@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.execution import ExecutionConfig
 
 from .common import Section
 from .device import measure
@@ -76,12 +77,16 @@ def batcher_section(
     seconds: float,
     timed_s: float,
     decode_threads: int = 2,
+    execution: str | ExecutionConfig = "auto",
 ) -> None:
-    """dp 1 on ``net``'s device: the tower alone on a batch of ``images``, then closed-loop
-    clients at each concurrency through a ``RankBatcher`` with the feature cache off."""
+    """dp 1 on ``net``'s device, the tower run as ``execution`` says: the tower alone on a
+    batch of ``images``, then closed-loop clients at each concurrency through a
+    ``RankBatcher`` with the feature cache off."""
     device = next(net.parameters()).device.type
     backend = "gpu" if device == "cuda" else "cpu"
-    encoder = EventTimedEncoder(net, preset.vision, preset.preprocess, name=name, backend=backend)
+    encoder = EventTimedEncoder(
+        net, preset.vision, preset.preprocess, name=name, backend=backend, execution=execution
+    )
     started = time.perf_counter()
     batcher, batching = uncached_batcher(encoder, decode_threads)
     sec.record(
@@ -89,6 +94,7 @@ def batcher_section(
         {
             "batcher_start_s": time.perf_counter() - started,
             "backend": backend,
+            "execution": encoder.execution.info(),
             "batching": {
                 "max_batch_patches": batching.max_batch_patches,
                 "max_batch_wait_ms": batching.max_batch_wait_ms,

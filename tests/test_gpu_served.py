@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from benchmarks import gpu_served, served
+from benchmarks import device, device_apps, gpu_served, served, switches
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,7 @@ def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
     square = tower["tower, square set"]["images_per_s"]
     assert square > 0
     assert tower["tower, mixed set"]["images_per_s"] > 0
+    assert sections["batcher"]["results"]["setup"]["execution"]["mode"] in switches.MODES
     off = sections["http, cache off"]["results"]
     for per in gpu_served.SMOKE.per_request:
         for clients in gpu_served.SMOKE.clients:
@@ -94,6 +95,130 @@ def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
         assert all(r["images_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows), name
     batcher = sections["batcher"]["results"]
     assert all(batcher[f"concurrency {c}"]["of_tower"] > 0 for c in gpu_served.SMOKE.clients)
+
+
+@pytest.mark.serve
+def test_cpu_smoke_measures_the_tower_in_every_mode_it_can_run(smoke):
+    """Eager and compiled on CPU, each on the FLOP batch and both sets; graphs says why
+    not; the ratios' denominators are the fastest mode's rates."""
+    _, _, report, _ = smoke
+    tower = report["sections"]["tower"]["results"]
+    by_mode = tower["tower by mode"]
+    assert by_mode["graphs"]["status"] == "not possible here: " + GRAPHS_ON_CPU
+    name = gpu_served.SMOKE.flops_mix[0]
+    for mode in ("eager", "compiled"):
+        assert by_mode[mode]["status"] == "ok"
+        assert tower[f"{mode}, {name}"]["patches"] == 16 * 64
+        assert tower[f"{mode}, {name}"]["tflops"] > 0
+        assert by_mode[mode][f"{name} tflops"] == tower[f"{mode}, {name}"]["tflops"]
+    assert by_mode["compiled"]["build_s"] > 0
+    for kind in ("square", "mixed"):
+        rates = {mode: by_mode[mode][f"{kind} images_per_s"] for mode in ("eager", "compiled")}
+        best = tower[f"tower, {kind} set"]
+        assert best["images_per_s"] == max(rates.values())
+        assert rates[best["mode"]] == best["images_per_s"]
+
+
+@pytest.mark.serve
+def test_cpu_smoke_serves_every_cpu_variant_side_by_side(smoke):
+    """A row per window of each of the 4 CPU variants, each with its answers checked, its
+    rank running the mode asked for and decoding where asked; graphs' rows say why not."""
+    _, out, report, _ = smoke
+    section = report["sections"]["switches"]
+    assert section["status"] == "pass", section.get("error")
+    passed = {c["name"] for c in section["checks"] if c["status"] == "pass"}
+    results, variants = section["results"], section["results"]["variants"]
+    served = [f"{mode}-{decode}" for mode in ("eager", "compiled") for decode in switches.DECODES]
+    assert sorted(variants) == sorted([*served, "graphs-threads", "graphs-processes"])
+    for decode in switches.DECODES:
+        assert variants[f"graphs-{decode}"] == {"status": "not possible here: " + GRAPHS_ON_CPU}
+    (per, clients), (one, many) = gpu_served.SMOKE.switch_windows
+    labels = {f"{per} x {clients}": "square", f"{one} x {many}": "square"}
+    labels[f"mixed 8 x {clients}"] = "mixed"
+    tower = report["sections"]["tower"]["results"]
+    for name in served:
+        mode, decode = name.split("-")
+        assert f"/{name} answers match the encoder" in passed
+        row = variants[name]
+        assert (row["status"], row["mode"], row["decode"]) == ("ok", mode, decode)
+        assert row["decode_workers"] == (1 if decode == "processes" else 0)
+        assert row["build_s"] > 0 if mode == "compiled" else row["build_s"] == 0
+        for label, kind in labels.items():
+            window = results[f"{name}, {label}"]
+            assert window["errors"] == 0, (name, label)
+            assert window["images_per_s"] > 0, (name, label)
+            denominator = tower[f"tower, {kind} set"]["images_per_s"]
+            assert window["of_tower"] == pytest.approx(window["images_per_s"] / denominator, 2e-3)
+            own = tower["tower by mode"][mode][f"{kind} images_per_s"]
+            assert window["of_own_mode_tower"] == pytest.approx(window["images_per_s"] / own, 2e-3)
+            rank = window["rank"]
+            assert rank["images"] > 0
+            assert rank["forward_wait_ms"] >= 0
+            assert 0 < rank["gpu_busy"] <= 1.5
+            assert row[f"{label} of_tower"] == window["of_tower"]
+        first = results[f"{name}, {per} x {clients}"]["rank"]
+        assert row["forward_of_tower"] == first["forward_of_tower"] > 0
+    assert {"every variant served and answered", "every request answered 200"} <= passed
+    assert "## switches: pass" in (out / "gpu_served.md").read_text()
+
+
+GRAPHS_ON_CPU = "CUDA graphs need a CUDA device, got device 'cpu'"
+
+
+def test_rolling_deadlines_give_each_section_its_share_and_what_was_left():
+    shares = {"a": 10.0, "b": 20.0, "c": 5.0}
+    deadlines = device.Rolling(shares, ["a", "c"])  # b not run: its share does not count
+    assert list(deadlines) == ["a", "c"]
+    assert deadlines["a"] == pytest.approx(10.0, abs=1.0)
+    assert deadlines["c"] == pytest.approx(15.0, abs=1.0)  # a's share unused so far
+    deadlines.started -= 12.0  # a took 12 s: c still has its own share
+    assert deadlines["c"] == 5.0
+
+
+def test_every_gpu_section_has_a_share_and_the_shares_fit_the_budget():
+    for plan in (gpu_served.FULL, gpu_served.SMOKE):
+        assert list(plan.shares) == list(gpu_served.SECTIONS)
+        assert sum(plan.shares.values()) <= 470 - device.Report.RESERVE_S
+
+
+@pytest.mark.parametrize("apps", [2, 3, 6, 8])
+def test_the_gpu_shares_of_the_ranks_fit_one_gpu(apps):
+    share = device_apps.gpu_share(apps)
+    assert apps * share <= 1.0
+    assert share > 1 / apps - 1e-4
+
+
+def test_the_gpu_runs_apps_validate_and_fit_the_machine(monkeypatch, tmp_path):
+    """The proxy's run on the GPU: /off, /on and the 6 variants, each valid ``AppArgs``
+    running the mode and decode its name says; their GPU shares add up to at most one GPU
+    and their CPUs to at most the machine's 16. (``unsupported`` asks CUDA for graphs:
+    here every mode counts as possible, as on the GPU machine.)"""
+    from deployments.args import AppArgs
+
+    monkeypatch.setattr(switches, "unsupported", lambda mode, device, dtype: None)
+    ctx = device_apps.Context(gpu_served.FULL, tmp_path, tmp_path)
+    ctx.variant_apps = switches.variant_apps(ctx)
+    config = served.served_config(gpu_served.CONFIG, 8123, device_apps.run_apps(ctx, "proxy"))
+    apps = {app["name"]: AppArgs.model_validate(app["args"]) for app in config["applications"]}
+    variants = [f"{m}-{d}" for m in switches.MODES for d in switches.DECODES]
+    assert sorted(apps) == sorted(["off", "on", *variants])
+    for name in variants:
+        mode, decode = name.split("-")
+        assert (apps[name].model.execution, apps[name].ranks.batching.decode) == (mode, decode)
+        assert apps[name].ranks.cache_bytes == apps[name].ingress.cache_bytes == 0
+    assert apps["off"].model.execution == apps["on"].model.execution == "auto"
+    assert sum(a.ranks.actor_options.num_gpus for a in apps.values()) <= 1.0
+    cpus = [
+        a.ranks.actor_options.num_cpus + a.ingress.replicas * a.ingress.actor_options.num_cpus
+        for a in apps.values()
+    ]
+    assert sum(cpus) <= 16
+    ctx.mode_errors["graphs"] = "RuntimeError: capture failed"  # not started, the rest are
+    assert "graphs-threads" not in device_apps.run_apps(ctx, "proxy")
+    ctx.served_mode = "compiled"  # HAProxy's apps run the mode /off ran, no variants
+    haproxy = device_apps.run_apps(ctx, "haproxy")
+    assert sorted(haproxy) == ["off", "on"]
+    assert {args["execution"] for args in haproxy.values()} == {"compiled"}
 
 
 def test_served_config_turns_the_shipped_config_into_apps_the_app_accepts():
