@@ -10,6 +10,9 @@ app, an app's answers checked against the in-process encoder.
   off) and ``/on`` (caches on) of configs/k3-8gpu.yaml, and behind the proxy one app per
   switch variant (``Context.variant_apps``). Every rank gets an equal share of the GPU;
   a measured window loads one app at a time, so the GPU is never shared while measured.
+  The ranks start together: ``auto`` in ``/off`` and ``/on`` times its probes while the
+  other ranks compile and capture, so its choice is made under that load (the tower
+  section's modes, one at a time, are the clean comparison).
 """
 
 from __future__ import annotations
