@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from load import pool
+
+from chaos.load import pool
 
 
 @pytest.fixture(scope="session")

@@ -23,10 +23,10 @@ import pytest
 import ray
 import requests
 from images import ico_bomb, image_bytes, zero_png
-from load import Load, pool, summary
 from ray import serve
 from serve_helpers import app_args, b64
 
+from chaos.load import Load, pool, summary
 from deployments.app import bind_app
 from deployments.args import BodyPace, RequestLimits
 

@@ -15,8 +15,9 @@ import time
 import pytest
 import ray
 import requests
-from load import Load, summary, wait_rejoined
 from serve_helpers import app_args, replica_actor, served
+
+from chaos.load import Load, summary, wait_rejoined
 
 pytestmark = pytest.mark.chaos
 

@@ -23,10 +23,10 @@ import pytest
 import ray
 import requests
 import zmq
-from load import pool
 from safetensors.torch import load_file
 from serve_helpers import app_args, b64, data_url, read_part, replica_actor, served, sglang_part
 
+from chaos.load import pool
 from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY
 
 pytestmark = pytest.mark.chaos

@@ -15,10 +15,10 @@ import time
 import pytest
 import ray
 import requests
-from load import Load, summary, wait_rejoined
 from ray import serve
 from serve_helpers import app_args, b64, replica_actor, replica_actor_name
 
+from chaos.load import Load, summary, wait_rejoined
 from deployments.app import bind_app
 
 pytestmark = pytest.mark.chaos

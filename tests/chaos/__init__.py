@@ -1,0 +1,1 @@
+"""Rank, client and hand-off faults under load (`pytest -m chaos`)."""
