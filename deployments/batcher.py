@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 import uuid
 from collections import deque
@@ -64,6 +65,8 @@ from kimi_encoder.load import Work
 
 from .args import BatchingArgs
 from .records import LoadReport, Progress
+
+LOOK_AHEAD = 256  # queued images a batch is chosen from (the oldest always among them)
 
 
 class _NotCached:
@@ -406,13 +409,13 @@ class RankBatcher:
                 return
 
     def _take(self) -> list[_Queued]:
-        batch = [self._queue.popleft()]
-        patches = batch[0].item.num_patches
-        while self._queue and patches + self._queue[0].item.num_patches <= (
-            self.config.max_batch_patches
-        ):
-            batch.append(self._queue.popleft())
-            patches += batch[-1].item.num_patches
+        """The next batch: the oldest image and those the execution packs with it (the
+        queue's head up to the budget; in the graphs mode, what fills a bucket best)."""
+        ahead = itertools.islice(self._queue, LOOK_AHEAD)
+        lengths = [q.item.num_patches for q in ahead]
+        chosen = set(self.encoder.execution.take(lengths, self.config.max_batch_patches))
+        batch = [q for i, q in enumerate(self._queue) if i in chosen]
+        self._queue = deque(q for i, q in enumerate(self._queue) if i not in chosen)
         return batch
 
     def _device_stage(self, batch: list[_Queued], hosts: list, timing: _Timing) -> tuple:

@@ -78,6 +78,13 @@ DEFINITIONS = (
     ),
     ("batch_images", "gauge", ("rank",), "Images in the rank's latest tower+projector batch."),
     (
+        "padding_share",
+        "gauge",
+        ("rank",),
+        "Padding rows per real row of a rank's batches in graph buckets since it started "
+        "(0 outside the graphs mode).",
+    ),
+    (
         "leased_bytes",
         "gauge",
         ("rank",),
@@ -307,11 +314,17 @@ class RankMetrics:
         self.stage_ms = _make("stage_ms")
         self.batch_images = _make("batch_images")
         self.batch_images.set(0, tags=self.tags)
+        self.padding_share = _make("padding_share")
+        self.padding_share.set(0, tags=self.tags)
         self.leased_bytes = _make("leased_bytes")
 
     def leased(self, nbytes: int) -> None:
         """The bytes the rank's memory leases hold now (max_inflight_bytes bounds them)."""
         self.leased_bytes.set(nbytes, tags=self.tags)
+
+    def padded(self, share: float) -> None:
+        """Padding rows per real row of the rank's bucket batches so far."""
+        self.padding_share.set(share, tags=self.tags)
 
     def encoded(
         self, images: int, patches: int, tokens: int, backend: str, stages_ms: Mapping[str, float]

@@ -198,6 +198,7 @@ class EncoderRank:
         patches, tokens = sum(i.num_patches for i in answered), sum(t.shape[0] for t in tensors)
         if answered:  # Ray's counters take no increment of 0
             self.metrics.encoded(len(answered), patches, tokens, backend, stages)
+            self.metrics.padded(self.encoder.execution.padding_share)
         log.info(
             "rank %d encoded %d images (%d patches, %d tokens, %s backend; %d not cached) in %s ms",
             self.rank,

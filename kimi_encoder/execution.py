@@ -9,50 +9,41 @@
   2x2 image, one token, included). The pieces compile at start, on a small synthetic
   batch.
 - ``graphs``: CUDA graphs of ``VisionTower.encode`` (pixels to the final norm)
-  captured at start for a few patch budgets, the buckets (``BucketRunner``). A batch
-  runs in the smallest bucket that holds its patches and its images: its pixels,
+  captured at start for a few patch budgets, the buckets (``kimi_encoder.buckets``). A
+  batch runs in the smallest bucket that holds its patches and its images: its pixels,
   position embeddings and rotary tables are copied into the bucket's static buffers,
-  the rows after them zeroed, and the cumulative lengths padded with one more
-  segment, the padding, attended only by itself, then with empty segments up to the
-  bucket's image capacity. The padding rows are sliced off before the patch merge, so
-  no feature sees them; merge and projector run eagerly. A batch with more patches
-  than the largest bucket, or more images than a bucket holds, runs eagerly.
-  Attention inside a graph must be one ``varlen_attn`` call per layer (per-image SDPA
-  needs the lengths on the host): a CUDA device of compute capability 8.0+, bfloat16
-  or float16, and a torch with ``varlen_attn``. The same bucketing and padding run
-  without capture on any device (``capture=False``: per-image SDPA, the padding one
-  more image), which is how the CPU tests check them bit for bit against the unpadded
-  batch.
+  the rows after them zeroed, and its padding attends in segments of bounded length, so
+  padding costs rows, not their square. The padding rows are sliced off before the patch
+  merge, so no feature sees them; merge and projector run eagerly. A batch with more
+  patches than the largest bucket, or more images than a bucket holds, runs eagerly. A
+  rank's batcher forms its batches to fill the buckets (``Execution.take``). Attention
+  inside a graph must be one ``varlen_attn`` call per layer (per-image SDPA needs the
+  lengths on the host): a CUDA device of compute capability 8.0+, bfloat16 or float16,
+  and a torch with ``varlen_attn``. The same bucketing and padding run without capture
+  on any device (``capture=False``: per-segment SDPA), which is how the CPU tests check
+  them against the unpadded batch.
 - ``auto``: on CPU, eager (``CPU_RULE``). On CUDA the encoder measures the candidates
   this device can run, eager, graphs and compiled in that order, on its own device at
-  start, on a synthetic probe (one 32x32-patch image, then a batch of them filling the
-  largest bucket), and keeps the fastest. A candidate starts only while
-  ``auto_budget_s`` has time left (its compile or capture counts; one that has started
-  runs to its end); one that fails is skipped with its error. ``Execution.info`` says
-  what was measured and why the mode was chosen.
+  start, on a synthetic probe (``probe_batches``: one 32x32-patch image, batches that
+  fill the largest bucket, half of it plus one image, and a mix of sizes), each cut into
+  batches as the rank's batcher would cut it (``Execution.take``), and keeps the fastest.
+  A candidate starts only while ``auto_budget_s`` has time left (its compile or
+  capture counts; one that has started runs to its end); one that fails is skipped with
+  its error. ``Execution.info`` says what was measured and why the mode was chosen.
 """
 
 from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .model import (
-    Grid,
-    KimiVisionModel,
-    Segments,
-    cumulative_lengths,
-    merge_patches,
-    varlen_attn,
-    varlen_unsupported,
-)
+from .buckets import BucketRunner, fifo, parts, split_rows
+from .model import Grid, KimiVisionModel, varlen_attn, varlen_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -196,126 +187,6 @@ def warm_up(model: KimiVisionModel) -> None:
     model(torch.zeros(4 + 24, 3, p, p, device=device), [(1, 2, 2), (1, 4, 6)])
 
 
-# --- graphs over patch buckets ------------------------------------------------------------
-
-
-class Bucket:
-    """Static buffers of one patch budget and, once captured, its graph and output."""
-
-    def __init__(self, model: KimiVisionModel, patches: int, max_images: int):
-        cfg, weight = model.cfg, model.vision_tower.patch_embed.proj.weight
-        device, dtype = weight.device, weight.dtype
-        self.patches = patches
-        p = cfg.patch_size
-        self.pixels = torch.zeros(patches, 3, p, p, device=device, dtype=dtype)
-        self.pos = torch.zeros(patches, cfg.hidden_size, device=device, dtype=dtype)
-        self.rope = torch.zeros(patches, cfg.head_dim // 2, 2, device=device)
-        # images, the padding segment, and the leading 0
-        self.cu_seqlens = torch.full((max_images + 2,), patches, dtype=torch.int32, device=device)
-        self.cu_seqlens[0] = 0
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-
-    @property
-    def max_images(self) -> int:
-        return self.cu_seqlens.shape[0] - 2
-
-    def load(self, pixels: torch.Tensor, pos: torch.Tensor, rope: torch.Tensor, lengths) -> None:
-        """A batch into the static buffers: its rows first, zeros after, its offsets then
-        the padding's end repeated (the padding segment, then empty ones)."""
-        n = pixels.shape[0]
-        for buffer, rows in ((self.pixels, pixels), (self.pos, pos), (self.rope, rope)):
-            buffer[:n].copy_(rows)
-            buffer[n:].zero_()
-        offsets, _ = cumulative_lengths(lengths)
-        offsets += [self.patches] * (self.cu_seqlens.shape[0] - len(offsets))
-        host = torch.tensor(offsets, dtype=torch.int32)
-        if self.cu_seqlens.is_cuda:  # pinned and asynchronous, as Segments.of does
-            host = host.pin_memory()
-        self.cu_seqlens.copy_(host, non_blocking=True)
-
-    def encode(self, model: KimiVisionModel, segments: Segments) -> torch.Tensor:
-        """(patches, hidden): the tower over the static buffers, eagerly."""
-        return model.vision_tower.encode(self.pixels, self.pos, self.rope, segments)
-
-    def capture(self, model: KimiVisionModel, pool) -> None:
-        """Warm up on a side stream (lazy initialisation stays out of the graph), then
-        capture ``encode`` with one varlen call per layer over the static offsets."""
-        segments = Segments([], self.patches, "varlen", self.cu_seqlens)
-        current = torch.cuda.current_stream(self.pixels.device)
-        side = torch.cuda.Stream(self.pixels.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            self.encode(model, segments)
-        current.wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
-            self.out = self.encode(model, segments)
-
-
-class BucketRunner:
-    """Tower and projector over padded patch buckets (module docstring, ``graphs``).
-
-    With ``capture`` each bucket's graph is captured here (CUDA only) and replayed per
-    batch; without, the padded buffers run eagerly with per-image SDPA. Calls are
-    serialized (the buffers are shared) and must come from threads on one CUDA stream,
-    as the rank's forward thread is.
-    """
-
-    def __init__(
-        self, model: KimiVisionModel, buckets: Sequence[int], max_images: int, capture: bool
-    ):
-        self.model = model
-        self.buckets = [Bucket(model, n, max_images) for n in sorted(set(buckets))]
-        self.capture = capture
-        self.bucket_batches: Counter[int] = Counter()  # batches run in each bucket
-        self.eager_batches = 0
-        self._lock = threading.Lock()
-        if capture:
-            with torch.inference_mode():
-                pool = torch.cuda.graph_pool_handle()
-                for bucket in reversed(self.buckets):  # the largest first: the others share
-                    bucket.capture(model, pool)  # its memory pool
-
-    def pick(self, patches: int, images: int) -> Bucket | None:
-        """The smallest bucket holding ``patches`` and ``images``; None: run eagerly."""
-        for bucket in self.buckets:
-            if patches <= bucket.patches and images <= bucket.max_images:
-                return bucket
-        return None
-
-    @torch.inference_mode()
-    def __call__(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
-        lengths = [t * h * w for t, h, w in grids]
-        n = sum(lengths)
-        bucket = self.pick(n, len(grids))
-        if bucket is None:
-            self.eager_batches += 1
-            return self.model(pixels, grids)
-        tower = self.model.vision_tower
-        with self._lock:
-            self.bucket_batches[bucket.patches] += 1
-            pos, rope = tower.patch_embed.pos_emb(grids), tower.rope(grids, pixels.device)
-            bucket.load(pixels, pos, rope, lengths)
-            if self.capture:
-                bucket.graph.replay()
-                hidden = bucket.out
-            else:
-                padding = [bucket.patches - n] if n < bucket.patches else []
-                segments = Segments(lengths + padding, bucket.patches, "sdpa")
-                hidden = bucket.encode(self.model, segments)
-            merged = merge_patches(hidden[:n], grids, self.model.cfg.merge_kernel_size)
-        return self.model.mm_projector(merged)
-
-    def info(self) -> dict:
-        return {
-            "buckets": [b.patches for b in self.buckets],
-            "graph_max_images": self.buckets[0].max_images,
-            "bucket_batches": {str(k): v for k, v in sorted(self.bucket_batches.items())},
-            "eager_batches": self.eager_batches,
-        }
-
-
 # --- choosing and building ----------------------------------------------------------------
 
 
@@ -345,26 +216,51 @@ def build(mode: str, model: KimiVisionModel, config: ExecutionConfig) -> Built:
     return Built(model, remove, time.perf_counter() - started)
 
 
+# The probe's mix of sizes (patch rows, columns): a 448 x 448 photo, a 4:3 one, a small one.
+PROBE_MIX = ((PROBE_SIDE, PROBE_SIDE), (24, 40), (16, 20))
+
+
 def probe_batches(model: KimiVisionModel, config: ExecutionConfig) -> list[tuple]:
-    """(pixels, grids) the auto rule times: one 32x32-patch image, then as many as fill
-    the largest bucket (seeded pixels)."""
+    """(pixels, grids) the auto rule times (seeded pixels): one 32x32-patch image; as many
+    as fill the largest bucket; one more than fill the bucket below it (half the largest
+    plus one image: no bucket fits it well); and about half the largest bucket of a mix
+    of sizes (``PROBE_MIX``)."""
     p, side = model.cfg.patch_size, PROBE_SIDE
     device = model.vision_tower.patch_embed.proj.weight.device
-    count = max(1, min(config.graph_buckets[-1] // side**2, config.graph_max_images))
+    largest = config.graph_buckets[-1]
+    count = max(1, min(largest // side**2, config.graph_max_images))
+    shapes = [[(side, side)], [(side, side)] * count, [(side, side)] * (count // 2 + 1)]
+    mixed, patches = [], 0
+    while patches < largest // 2 and len(mixed) < config.graph_max_images:
+        h, w = PROBE_MIX[len(mixed) % len(PROBE_MIX)]
+        mixed.append((h, w))
+        patches += h * w
+    shapes.append(mixed)
     out = []
-    for images in (1, count):
-        g = torch.Generator().manual_seed(images)
-        pixels = torch.randn(images * side * side, 3, p, p, generator=g).to(device)
-        out.append((pixels, [(1, side, side)] * images))
+    for seed, sizes in enumerate(shapes):
+        if sizes in shapes[:seed]:
+            continue  # a small bucket: the same batch twice
+        grids = [(1, h, w) for h, w in sizes]
+        rows = sum(h * w for h, w in sizes)
+        pixels = torch.randn(rows, 3, p, p, generator=torch.Generator().manual_seed(seed))
+        out.append((pixels.to(device), grids))
     return out
 
 
-def time_probe(run: Run, batches: Sequence[tuple], device: torch.device) -> float:
-    """Median seconds of one pass over ``batches`` (after one warm-up pass)."""
+def time_probe(
+    run: Run, batches: Sequence[tuple], device: torch.device, budget: int | None = None
+) -> float:
+    """Median seconds of one pass over ``batches`` (after one warm-up pass), each cut into
+    the batches a rank's batcher of ``budget`` patches would run (``take_for``)."""
+    cut = [
+        piece
+        for pixels, grids in batches
+        for piece in split_rows(pixels, grids, parts(_lengths(grids), take_for(run, budget)))
+    ]
 
     def once() -> float:
         started = time.perf_counter()
-        for pixels, grids in batches:
+        for pixels, grids in cut:
             run(pixels, grids)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -372,6 +268,19 @@ def time_probe(run: Run, batches: Sequence[tuple], device: torch.device) -> floa
 
     once()
     return statistics.median(once() for _ in range(PROBE_REPEATS))
+
+
+def _lengths(grids: Sequence[Grid]) -> list[int]:
+    return [t * h * w for t, h, w in grids]
+
+
+def take_for(run: Run, budget: int | None) -> Callable[[Sequence[int]], list[int]]:
+    """How a batcher of ``budget`` patches (None: no limit) takes its next batch from a
+    queue of patch counts for ``run``: filling its buckets, or first in, first out."""
+    limit = budget if budget is not None else float("inf")
+    if isinstance(run, BucketRunner):
+        return lambda lengths: run.take(lengths, limit)
+    return lambda lengths: fifo(lengths, limit)
 
 
 @dataclass
@@ -384,6 +293,18 @@ class Execution:
 
     def __call__(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         return self.run(pixels, grids)
+
+    def take(self, lengths: Sequence[int], budget: int) -> list[int]:
+        """Indices of the queued images (patch counts ``lengths``, oldest first) that form
+        the next batch of at most ``budget`` patches (the oldest always): in the graphs
+        mode the ones that fill a bucket best (``kimi_encoder.buckets.take``), otherwise
+        the queue's head."""
+        return take_for(self.run, budget)(lengths)
+
+    @property
+    def padding_share(self) -> float:
+        """Padding rows per real row of the batches run in buckets so far (0 without)."""
+        return self.run.padding_share if isinstance(self.run, BucketRunner) else 0.0
 
     def info(self) -> dict:
         out = {"mode": self.mode, **self.report}
@@ -417,7 +338,7 @@ def choose_fastest(
             continue
         try:
             built[name] = build(name, model, config)
-            measured[name] = time_probe(built[name].run, batches, device)
+            measured[name] = time_probe(built[name].run, batches, device, config.graph_buckets[-1])
         except Exception as exc:  # noqa: BLE001 - a mode this device cannot run: skipped, named
             log.warning("execution 'auto': %s failed: %s: %s", name, type(exc).__name__, exc)
             skipped[name] = f"{type(exc).__name__}: {exc}"
@@ -430,7 +351,7 @@ def choose_fastest(
     report = {
         "requested": "auto",
         "reason": "the fastest measured at start on this device",
-        "probe_patches": [sum(t * h * w for t, h, w in grids) for _, grids in batches],
+        "probe_patches": [sum(_lengths(grids)) for _, grids in batches],
         "measured_ms": {k: round(v * 1e3, 3) for k, v in measured.items()},
         "build_s": {k: round(b.build_s, 2) for k, b in built.items()},
         "skipped": skipped,

@@ -22,6 +22,7 @@ from images import gray_png, image_bytes
 from deployments.args import BatchingArgs
 from deployments.batcher import NOT_CACHED, RankBatcher
 from kimi_encoder.encoder import VisionEncoder
+from kimi_encoder.execution import BucketRunner, Execution
 from kimi_encoder.items import EncoderInputError
 from kimi_encoder.load import Work
 
@@ -169,6 +170,33 @@ def test_patch_budget_splits_batches(encoder, images):
     assert groups >= 2
     assert b.counters.forwarded == 5
     assert b.counters.batches == 1 + groups
+
+
+def test_with_buckets_a_batch_fills_one(images):
+    """The graphs mode's buckets (64 and 128 patches, run without capture): queued images
+    of 80, 64 and 48 patches run as 80 + 48 (the 128 bucket full), then 64 (the 64 bucket
+    full), not first in, first out (80 alone, padded by 48, then 64 + 48, padded by 16);
+    the features are those of each image alone (other row counts: within 1e-4)."""
+    encoder = GatedEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
+    runner = BucketRunner(encoder.model, (64, 128), 8, capture=False)
+    encoder.execution = Execution("graphs", runner, {})
+    b = batcher(encoder, max_batch_patches=128)
+    data = [
+        image_bytes("RGB", size, seed=i)
+        for i, size in enumerate([(120, 90), (112, 112), (30, 150)])
+    ]
+    items = [encoder.plan(d) for d in data]
+    assert [item.num_patches for item in items] == [80, 64, 48]
+    coros = [b.encode([item], f"c{i}", F32) for i, item in enumerate(items)]
+    blocker = [encoder.plan(images[2])]  # 16 patches, in the 64 bucket
+    _, outputs = asyncio.run(behind_a_held_forward(b, encoder, blocker, coros))
+    info = encoder.execution.info()
+    assert info["bucket_batches"] == {"64": 2, "128": 1}
+    assert (info["real_rows"], info["padded_rows"]) == (16 + 128 + 64, 48)
+    with torch.inference_mode():  # the eager model, each image alone
+        alone = [encoder.model(encoder.materialize([i])[0], [i.grid]) for i in items]
+    for (results, _), want in zip(outputs, alone, strict=True):
+        np.testing.assert_allclose(results[0].numpy(), want.numpy(), rtol=0, atol=1e-4)
 
 
 def test_cache_hit_skips_preprocessing_and_forward(encoder, images):

@@ -2,10 +2,10 @@
 
 On CPU: compiled features within 1e-4 of eager (float32) on every oracle image and a
 bfloat16 cosine of at least 0.9999; no graph break in a compiled piece and no compilation
-after the first batch, whatever its size; the graphs mode's bucketing and padding (run
-without capture) bit for bit the unpadded batch at every bucket edge; 'auto' and every
-config error. On CUDA (``pytest -m cuda``): captured graphs and compiled pieces against
-eager at Kimi-K3's full size, and 'auto' measuring on the device.
+after the first batch, whatever its size; 'auto' and every config error (the graphs
+mode's buckets and padding, run without capture: tests/test_buckets.py). On CUDA
+(``pytest -m cuda``): captured graphs and compiled pieces against eager at Kimi-K3's full
+size, and 'auto' measuring on the device.
 """
 
 from __future__ import annotations
@@ -250,53 +250,6 @@ def test_backends_give_the_same_features_in_every_mode(encoder_in, oracle_dir, m
         assert torch.equal(a, b)
 
 
-# ----------------------------------------------------------------------------- padded buckets
-
-
-# name: (buckets, images per bucket, grids, the bucket expected or None: eager)
-EDGES = {
-    "fills a bucket": ((16, 64), 8, [(1, 4, 4)], 16),
-    "one patch over a bucket": ((15, 64), 8, [(1, 4, 4)], 64),
-    "one patch over the largest": ((15,), 8, [(1, 4, 4)], None),
-    "one image in a bucket": ((64,), 8, [(1, 2, 2)], 64),
-    "several images": ((64, 256), 8, [(1, 4, 4), (1, 2, 6), (1, 2, 2)], 64),
-    "several images fill a bucket": ((32, 64), 8, [(1, 4, 4), (1, 2, 8)], 32),
-    "more images than a bucket holds": ((64,), 2, [(1, 2, 2)] * 3, None),
-    "as many images as it holds": ((64,), 3, [(1, 2, 2)] * 3, 64),
-    "frames": ((64,), 8, [(2, 2, 4), (1, 2, 2)], 64),
-    "a large batch": ((512, 2048), 8, [(1, 30, 22), (1, 16, 16), (1, 8, 12)], 2048),
-}
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("buckets", "max_images", "grids", "bucket"), EDGES.values(), ids=EDGES)
-def test_padded_bucket_is_bitwise_the_unpadded_batch(buckets, max_images, grids, bucket, dtype):
-    model = random_model(TINY, seed=2, device="cpu", dtype=dtype)
-    runner = ex.BucketRunner(model, buckets, max_images, capture=False)
-    pixels = pixels_of(grids)
-    with torch.inference_mode():
-        want = model(pixels, grids)
-        got = runner(pixels, grids)
-        again = runner(pixels, grids)  # buffers reused: nothing of the last batch stays
-    assert torch.equal(got, want)
-    assert torch.equal(again, want)
-    ran = {str(bucket): 2} if bucket else {}
-    assert runner.info()["bucket_batches"] == ran
-    assert runner.info()["eager_batches"] == (0 if bucket else 2)
-
-
-def test_a_bucket_forgets_the_batch_before(encoder_in, oracle_dir):
-    """A small batch after a large one in the same bucket: its padding rows held the large
-    batch's data, and its features are still the unpadded batch's."""
-    encoder = encoder_in(oracle_dir / "checkpoint", "padded")
-    large, small = [(1, 30, 22), (1, 16, 16)], [(1, 4, 6)]
-    with torch.inference_mode():
-        encoder.execution(pixels_of(large, 1), large)
-        got = encoder.execution(pixels_of(small, 2), small)
-        want = encoder.model(pixels_of(small, 2), small)
-    assert torch.equal(got, want)
-
-
 # ----------------------------------------------------------------------------- auto
 
 
@@ -321,6 +274,23 @@ def test_auto_keeps_the_fastest_and_names_what_it_skipped():
             atol=1e-4,
             rtol=0,
         )
+
+
+def test_the_probe_has_batches_that_do_not_fill_a_bucket():
+    """Besides one image and a full largest bucket: half of it plus one image and about
+    half of it in mixed sizes; the probe times each as the rank's batcher cuts it (in the
+    graphs mode: the bucket's worth first, then the image left over)."""
+    model = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    config = ex.ExecutionConfig(graph_buckets=ex.default_buckets(4096), graph_max_images=8)
+    batches = ex.probe_batches(model, config)
+    patches = [sum(t * h * w for t, h, w in grids) for _, grids in batches]
+    assert patches[:3] == [1024, 4096, 3072]
+    assert 2048 <= patches[3] < 2048 + 1024
+    assert len({h * w for _, grids in batches[3:] for _, h, w in grids}) == 3
+    runner = ex.BucketRunner(model, config.graph_buckets, 8, capture=False)
+    cut = ex.parts([1024] * 3, ex.take_for(runner, 4096))
+    assert cut == [[0, 1], [2]]  # 2048 and 1024 rows, not 4096
+    assert ex.parts([1024] * 3, ex.take_for(model, 4096)) == [[0, 1, 2]]
 
 
 def test_auto_stops_when_its_budget_is_spent():
