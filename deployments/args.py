@@ -13,6 +13,7 @@ The runtime imports these models; this module imports no runtime code.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from pathlib import PurePath
@@ -32,6 +33,7 @@ from kimi_encoder.engines.transport import DEFAULT_RECEIVE_NETWORKS, ReceivePoli
 from kimi_encoder.execution import ExecutionConfig, check_mode, default_buckets
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
+from kimi_encoder.weights import start_allowance_s
 
 # What the replica processes ask of glibc's malloc: never hand a large block its own mmap
 # (mmap_max=0), and give memory back to the kernel only when more than 256 MB is free at
@@ -172,8 +174,10 @@ class ModelArgs(Section):
     auto_budget_s: float = Field(
         120.0,
         ge=0,
-        description="Seconds a CUDA rank's 'auto' may spend building and timing the modes at "
-        "start; a mode starts only while time is left (the one started runs to its end).",
+        description="Seconds a CUDA rank's 'auto' may spend building (compiling, capturing, "
+        "waiting for another rank's compile) and timing the modes at start; read between "
+        "steps (one compiled piece, one bucket's graphs, one timing), so auto ends at most "
+        "one step past it; a mode it stops is undone and skipped.",
     )
 
     @field_validator("preprocess_backend")
@@ -197,13 +201,17 @@ class ModelArgs(Section):
             )
         return value
 
-    def execution_config(self, max_batch_patches: int) -> ExecutionConfig:
-        """The library's execution config of a rank batching up to ``max_batch_patches``."""
+    def execution_config(
+        self, max_batch_patches: int, compile_threads: int | None = None
+    ) -> ExecutionConfig:
+        """The library's execution config of a rank batching up to ``max_batch_patches``,
+        compiling with at most ``compile_threads`` workers (its CPUs; None: its process's)."""
         return ExecutionConfig(
             mode=self.execution,
             graph_buckets=tuple(self.graph_buckets or default_buckets(max_batch_patches)),
             graph_max_images=self.graph_max_images,
             auto_budget_s=self.auto_budget_s,
+            compile_threads=compile_threads,
         )
 
     def resolved(self, num_gpus: float) -> ModelArgs:
@@ -582,7 +590,9 @@ class ScalingArgs(Section):
         gt=0,
         description="A rank started for the load that has not answered within this long (no "
         "GPU free, a failing start) is reported with Serve's reason and left parked; the "
-        "service goes on with the live ranks and tries it again after as long.",
+        "service goes on with the live ranks and tries it again after as long. With ranks "
+        "on CUDA it must cover a start: model.auto_budget_s (none with execution 'eager') "
+        "+ 60 s + the checkpoint's vision weights read at 100 MB/s.",
     )
 
     def autoscaling_config(self) -> dict[str, Any]:
@@ -770,6 +780,33 @@ class AppArgs(Section):
                 f"model.execution 'graphs' captures CUDA graphs, but the ranks run on "
                 f"{device!r}; set model: {{device: cuda}} with ranks: {{actor_options: "
                 "{num_gpus: 1}}, or model.execution 'compiled', 'eager' or 'auto'."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _start_timeout_covers_a_start(self) -> AppArgs:
+        """An elastic GPU rank woken for the load gets scaling.start_timeout_s to answer:
+        its execution's build (model.auto_budget_s, unless eager) and its checkpoint's
+        load (``weights.start_allowance_s``) must fit, or it is given up on as it warms."""
+        if not self.elastic or self.model_as_run.device != "cuda":
+            return self
+        model, timeout = self.model, self.scaling.start_timeout_s
+        build_s = 0.0 if model.execution == "eager" else model.auto_budget_s
+        load_s, priced = start_allowance_s(model.checkpoint)
+        if timeout < build_s + load_s:
+            need = math.ceil(build_s + load_s)
+            build = (
+                "model.execution 'eager' (nothing built at start)"
+                if model.execution == "eager"
+                else f"model.auto_budget_s={build_s:g} s (model.execution {model.execution!r} "
+                "builds at start)"
+            )
+            raise ValueError(
+                f"scaling.start_timeout_s={timeout:g} is shorter than an elastic GPU rank's "
+                f"start: {build} + {load_s:.0f} s to start and load model.checkpoint "
+                f"{model.checkpoint!r} ({priced}) = {need} s. Set scaling: {{start_timeout_s: "
+                f"{need}}} or more"
+                + ("." if model.execution == "eager" else ", or a smaller model.auto_budget_s.")
             )
         return self
 

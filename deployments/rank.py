@@ -100,7 +100,7 @@ class EncoderRank:
             dtype=model.dtype,
             backend=model.preprocess_backend,
             seed=model.seed,
-            execution=model.execution_config(ranks.batching.max_batch_patches),
+            execution=model.execution_config(ranks.batching.max_batch_patches, num_threads),
         )
         if ranks.cache_bytes:
             store = node_object_store_bytes()

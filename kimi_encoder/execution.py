@@ -3,11 +3,13 @@
 - ``eager``: the model's own forward, op by op: the reference every other mode is
   tested against.
 - ``compiled``: the same forward with its pieces between attention calls compiled by
-  ``torch.compile`` (``compile_pieces``; ``kimi_encoder.model`` says which pieces and
-  why attention stays outside them). The patch or token count is an unbacked dynamic
-  dimension of every piece, so one compilation per piece serves every batch (a single
-  2x2 image, one token, included). The pieces compile at start, on a small synthetic
-  batch.
+  ``torch.compile`` (``kimi_encoder.compiled``; ``kimi_encoder.model`` says why attention
+  stays outside them). The patch or token count is an unbacked dynamic dimension of every
+  piece, so one compilation per piece serves every batch (a single 2x2 image, one token,
+  included). The pieces compile at start, one at a time, on a small synthetic batch, with
+  a bounded pool of compile workers, and one process of a node at a time: the others
+  then load what it compiled from inductor's on-disk cache. A call past dynamo's
+  recompile limit runs eagerly, counted (``compiled_fallbacks``).
 - ``graphs``: CUDA graphs of ``VisionTower.encode`` (pixels to the final norm)
   captured at start for a few patch budgets, the buckets (``kimi_encoder.buckets``). A
   batch runs in the smallest bucket that holds its patches and its images: its pixels,
@@ -27,9 +29,14 @@
   start, on a synthetic probe (``probe_batches``: one 32x32-patch image, batches that
   fill the largest bucket, half of it plus one image, and a mix of sizes), each cut into
   batches as the rank's batcher would cut it (``Execution.take``), and keeps the fastest.
-  A candidate starts only while ``auto_budget_s`` has time left (its compile or
-  capture counts; one that has started runs to its end); one that fails is skipped with
-  its error. ``Execution.info`` says what was measured and why the mode was chosen.
+  ``auto_budget_s`` bounds the whole choice, compile and capture included. Eager, the
+  fallback, is always timed; every other candidate is built in steps (one compiled piece,
+  or one bucket's graphs, at a time; for compiled, waiting for another process's compile
+  first) and timed, and the budget is read before each step: when it is spent the
+  candidate is undone and skipped, named in ``skipped``. So the choice ends at most one
+  step past the budget: one piece's compile, one bucket's capture, or one candidate's
+  timing (a few passes over the probe). One that fails is skipped with its error.
+  ``Execution.info`` says what was measured and why the mode was chosen.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from .buckets import BucketRunner, fifo, parts, split_rows
+from .compiled import BudgetSpent, CompiledRun, Deadline, build_compiled
 from .model import Grid, KimiVisionModel, varlen_attn, varlen_unsupported
 
 log = logging.getLogger(__name__)
@@ -95,6 +103,8 @@ class ExecutionConfig:
     graph_buckets: tuple[int, ...] = default_buckets(16384)
     graph_max_images: int = 64  # cumulative-length slots of a bucket: images per graph
     auto_budget_s: float = 120.0
+    # A rank's CPUs; None: this process's. Either way at most compiled.MAX_COMPILE_THREADS.
+    compile_threads: int | None = None
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
@@ -109,6 +119,11 @@ class ExecutionConfig:
             raise ValueError(f"graph_max_images must be at least 1, got {self.graph_max_images}.")
         if self.auto_budget_s < 0:
             raise ValueError(f"auto_budget_s must be >= 0, got {self.auto_budget_s}.")
+        if self.compile_threads is not None and self.compile_threads < 1:
+            raise ValueError(
+                f"compile_threads must be at least 1 (or None: this process's CPUs), got "
+                f"{self.compile_threads}."
+            )
 
     @classmethod
     def of(cls, execution: str | ExecutionConfig) -> ExecutionConfig:
@@ -134,59 +149,6 @@ def check_execution(config: ExecutionConfig, device: torch.device, dtype: torch.
         )
 
 
-# --- compiled -----------------------------------------------------------------------------
-
-
-def _rows_dynamic(fn: Callable) -> Callable:
-    """``fn`` with dim 0 (patches or tokens) of every tensor argument dynamic and unbacked,
-    so no batch size, one included, compiles it again. Under inference mode a tensor made
-    outside it (the position table of an image of the table's own size is a view of the
-    weight) is copied first: a compiled graph is specialized on the kind of tensor too."""
-
-    def run(*args):
-        inference = torch.is_inference_mode_enabled()
-        args = [_inference_copy(arg, inference) for arg in args]
-        for arg in args:
-            if isinstance(arg, torch.Tensor):
-                torch._dynamo.decorators.mark_unbacked(arg, 0)
-        return fn(*args)
-
-    return run
-
-
-def _inference_copy(arg, inference: bool):
-    if inference and isinstance(arg, torch.Tensor) and not arg.is_inference():
-        return arg.clone()
-    return arg
-
-
-def compile_pieces(model: KimiVisionModel) -> Callable[[], None]:
-    """Put compiled pieces in place of the model's own (its patch embedding, each block's
-    pre- and post-attention parts, its projector); returns what takes them out again.
-    Every block runs the same compiled code: it is compiled once."""
-    tower = model.vision_tower
-    targets: list[tuple[torch.nn.Module, str]] = [
-        (tower.patch_embed, "forward"),
-        (model.mm_projector, "forward"),
-    ]
-    for block in tower.encoder.blocks:
-        targets += [(block, "pre_attention"), (block, "post_attention")]
-    for owner, name in targets:
-        setattr(owner, name, _rows_dynamic(torch.compile(getattr(owner, name))))
-
-    def remove() -> None:
-        for owner, name in targets:
-            delattr(owner, name)  # the class's own method shows again
-
-    return remove
-
-
-def warm_up(model: KimiVisionModel) -> None:
-    """One forward over two small synthetic images: compiles what is compiled lazily."""
-    p, device = model.cfg.patch_size, model.vision_tower.patch_embed.proj.weight.device
-    model(torch.zeros(4 + 24, 3, p, p, device=device), [(1, 2, 2), (1, 4, 6)])
-
-
 # --- choosing and building ----------------------------------------------------------------
 
 
@@ -199,21 +161,37 @@ class Built:
     build_s: float = 0.0
 
 
-def build(mode: str, model: KimiVisionModel, config: ExecutionConfig) -> Built:
-    """``mode`` (not 'auto') made ready on ``model``: compiled and warmed up, or captured."""
+def build(
+    mode: str, model: KimiVisionModel, config: ExecutionConfig, deadline: Deadline | None = None
+) -> Built:
+    """``mode`` (not 'auto') made ready on ``model``: compiled and warmed up, or captured,
+    one piece or bucket at a time while ``deadline`` (None: none) has not passed; else
+    ``BudgetSpent``, with what was built undone."""
     started = time.perf_counter()
     if mode == "eager":
         return Built(model)
     if mode == "graphs":
-        runner = BucketRunner(model, config.graph_buckets, config.graph_max_images, capture=True)
+        runner = capture_graphs(model, config, deadline or Deadline())
         return Built(runner, build_s=time.perf_counter() - started)
-    remove = compile_pieces(model)
-    try:
-        warm_up(model)
-    except Exception:
-        remove()
-        raise
-    return Built(model, remove, time.perf_counter() - started)
+    run = build_compiled(model, deadline, config.compile_threads)
+    return Built(run, run.undo, run.report["compile_s"])
+
+
+@torch.inference_mode()
+def capture_graphs(model: KimiVisionModel, config: ExecutionConfig, deadline: Deadline):
+    """The graphs mode's runner, its buckets captured one at a time as ``BucketRunner``
+    captures them (the largest first: the others share its memory pool), ``deadline``
+    read between them."""
+    if deadline.at is None:
+        return BucketRunner(model, config.graph_buckets, config.graph_max_images, capture=True)
+    runner = BucketRunner(model, config.graph_buckets, config.graph_max_images, capture=False)
+    pool, order = torch.cuda.graph_pool_handle(), runner.buckets[::-1]
+    for done, bucket in enumerate(order):
+        if deadline.passed():
+            raise BudgetSpent(f"after {done} of {len(order)} buckets captured")
+        bucket.capture(model, pool)
+    runner.capture = True
+    return runner
 
 
 # The probe's mix of sizes (patch rows, columns): a 448 x 448 photo, a 4:3 one, a small one.
@@ -308,7 +286,7 @@ class Execution:
 
     def info(self) -> dict:
         out = {"mode": self.mode, **self.report}
-        if isinstance(self.run, BucketRunner):
+        if isinstance(self.run, (BucketRunner, CompiledRun)):
             out.update(self.run.info())
         return out
 
@@ -324,21 +302,35 @@ def candidates(device: torch.device, dtype: torch.dtype) -> tuple[list[str], dic
 
 
 def choose_fastest(
-    model: KimiVisionModel, config: ExecutionConfig, names: Sequence[str], skipped: dict
+    model: KimiVisionModel,
+    config: ExecutionConfig,
+    names: Sequence[str],
+    skipped: dict,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> Execution:
-    """Build and time each of ``names`` within ``config.auto_budget_s``; keep the fastest."""
+    """Build and time each of ``names`` within ``config.auto_budget_s`` on ``clock`` (module
+    docstring); keep the fastest. The first, eager, is always timed: the fallback."""
     device = model.vision_tower.patch_embed.proj.weight.device
     batches = probe_batches(model, config)
     started = time.perf_counter()
+    deadline = Deadline.after(config.auto_budget_s, clock)
+    spent = f"auto_budget_s ({config.auto_budget_s:g} s) spent"
     measured: dict[str, float] = {}
     built: dict[str, Built] = {}
     for name in names:
-        if measured and time.perf_counter() - started > config.auto_budget_s:
-            skipped[name] = f"auto_budget_s ({config.auto_budget_s:g} s) spent"
+        if measured and deadline.passed():
+            skipped[name] = f"{spent} before it started"
             continue
         try:
-            built[name] = build(name, model, config)
-            measured[name] = time_probe(built[name].run, batches, device, config.graph_buckets[-1])
+            made = build(name, model, config, deadline if measured else None)
+            if measured and deadline.passed():
+                made.undo()
+                skipped[name] = f"{spent} once built, before it was timed; undone"
+                continue
+            built[name] = made
+            measured[name] = time_probe(made.run, batches, device, config.graph_buckets[-1])
+        except BudgetSpent as exc:
+            skipped[name] = f"{spent} {exc}; undone"
         except Exception as exc:  # noqa: BLE001 - a mode this device cannot run: skipped, named
             log.warning("execution 'auto': %s failed: %s: %s", name, type(exc).__name__, exc)
             skipped[name] = f"{type(exc).__name__}: {exc}"

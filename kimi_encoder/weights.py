@@ -10,6 +10,7 @@ never read.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +18,20 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import PreprocessConfig, VisionConfig
+from .config import PRESETS, PreprocessConfig, VisionConfig
 from .features import dtype_name
 from .model import KimiVisionModel
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# What a rank's start takes besides its execution's build and its checkpoint's read: its
+# process and imports, the CUDA context, calibration, the health probe, a preset's random
+# weights. Each takes seconds; this leaves room.
+START_FLOOR_S = 60.0
+# A conservative read of a checkpoint's vision weights: network storage or a cold page
+# cache, not a local NVMe drive.
+READ_BYTES_PER_S = 100e6
 
 
 class CheckpointError(ValueError):
@@ -51,6 +59,43 @@ def vision_shards(root: Path) -> dict[str, list[str]]:
         f"No {INDEX_FILE} or {SINGLE_FILE} in {str(root)!r}; expected an original-format "
         "Kimi checkpoint (safetensors)."
     )
+
+
+def vision_weight_bytes(root: str | Path) -> int:
+    """Bytes of the vision tensors a rank reads from the checkpoint at ``root``, from its
+    safetensors headers alone."""
+    root, total = Path(root), 0
+    for shard, keys in vision_shards(root).items():
+        with (root / shard).open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        for key in keys:
+            start, end = header[key]["data_offsets"]
+            total += end - start
+    return total
+
+
+def start_allowance_s(checkpoint: str) -> tuple[float, str]:
+    """Seconds a rank may take to start and load ``checkpoint``, its execution's build
+    aside, and how they were priced: ``START_FLOOR_S``, plus for a directory its vision
+    weights read at ``READ_BYTES_PER_S``; a directory not readable here (the config checked
+    on a node without that mount) is priced as the largest preset's weights in float32."""
+    if checkpoint in PRESETS:
+        return START_FLOOR_S, f"a preset: {START_FLOOR_S:g} s"
+    try:
+        size, what = vision_weight_bytes(checkpoint), "its vision weights"
+    except (OSError, ValueError, KeyError):
+        size = max(_float32_bytes(preset.vision) for preset in PRESETS.values())
+        what = "not readable here, priced as the largest preset's vision weights in float32"
+    seconds = START_FLOOR_S + size / READ_BYTES_PER_S
+    return seconds, (
+        f"{START_FLOOR_S:g} s + {size / 1e6:.0f} MB ({what}) at {READ_BYTES_PER_S / 1e6:g} MB/s"
+    )
+
+
+def _float32_bytes(cfg: VisionConfig) -> int:
+    with torch.device("meta"):
+        return 4 * sum(p.numel() for p in KimiVisionModel(cfg).parameters())
 
 
 def read_vision_tensors(root: str | Path) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 
 On CPU: compiled features within 1e-4 of eager (float32) on every oracle image and a
 bfloat16 cosine of at least 0.9999; no graph break in a compiled piece and no compilation
-after the first batch, whatever its size; 'auto' and every config error (the graphs
+after the first batch, whatever its size; 'auto', its budget running out before, during
+and after a build (a clock the compile moves), and every config error (the graphs
 mode's buckets and padding, run without capture: tests/test_buckets.py). On CUDA
 (``pytest -m cuda``): captured graphs and compiled pieces against eager at Kimi-K3's full
 size, and 'auto' measuring on the device.
@@ -19,6 +20,8 @@ from safetensors.torch import load_file
 from torch._dynamo.utils import counters
 
 from benchmarks.device import device_random_model, seeded_pixels
+from kimi_encoder import buckets
+from kimi_encoder import compiled as cp
 from kimi_encoder import execution as ex
 from kimi_encoder import model as m
 from kimi_encoder.cli import main
@@ -299,8 +302,77 @@ def test_auto_stops_when_its_budget_is_spent():
     with torch.inference_mode():
         chosen = ex.choose_fastest(model, config, ["eager", "compiled"], {})
     assert chosen.mode == "eager"
-    assert chosen.info()["skipped"] == {"compiled": "auto_budget_s (0 s) spent"}
+    assert chosen.info()["skipped"] == {"compiled": "auto_budget_s (0 s) spent before it started"}
     assert "pre_attention" not in model.vision_tower.encoder.blocks[0].__dict__
+
+
+class Clock:
+    """A clock that moves only when told: the budget runs out where a test says."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def piece_clock(monkeypatch) -> Clock:
+    """A clock that moves 10 s as each compiled piece finishes compiling (a real compile)."""
+    clock, compile_piece = Clock(), cp.warm_up
+
+    def compile_and_tick(model):
+        compile_piece(model)
+        clock.now += 10.0
+
+    monkeypatch.setattr(cp, "warm_up", compile_and_tick)
+    return clock
+
+
+def compiled_in(model: m.KimiVisionModel) -> list[str]:
+    """Which of the model's methods have a compiled piece in their place."""
+    return [
+        f"{name}.{method}"
+        for name, owner in model.named_modules()
+        for method in ("forward", "pre_attention", "post_attention")
+        if method in owner.__dict__
+    ]
+
+
+def test_auto_budget_spent_mid_compile_undoes_and_skips_compiled(piece_clock):
+    """The budget (15 s) runs out after the second of the four pieces has compiled: the
+    other two are not compiled, the two that were are taken out, eager is kept and runs
+    as the reference does."""
+    clock = piece_clock
+    model = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(1024,), auto_budget_s=15)
+    with torch.inference_mode():
+        chosen = ex.choose_fastest(model, config, ["eager", "compiled"], {}, clock=clock)
+        grids = [(1, 4, 6)]
+        got = chosen(pixels_of(grids), grids)
+    assert clock.now == 20.0  # two pieces compiled, not four
+    assert chosen.mode == "eager"
+    assert chosen.info()["skipped"] == {
+        "compiled": "auto_budget_s (15 s) spent after 2 of 4 pieces compiled; undone"
+    }
+    assert set(chosen.info()["measured_ms"]) == {"eager"}
+    assert compiled_in(model) == []
+    reference = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    with torch.inference_mode():
+        torch.testing.assert_close(got, reference(pixels_of(grids), grids), atol=0, rtol=0)
+
+
+def test_auto_budget_spent_once_built_skips_timing(piece_clock):
+    """The budget (35 s) runs out with the last piece: the candidate is undone, not timed."""
+    clock = piece_clock
+    model = random_model(TINY, seed=4, device="cpu", dtype=torch.float32)
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(1024,), auto_budget_s=35)
+    with torch.inference_mode():
+        chosen = ex.choose_fastest(model, config, ["eager", "compiled"], {}, clock=clock)
+    assert chosen.info()["skipped"] == {
+        "compiled": "auto_budget_s (35 s) spent once built, before it was timed; undone"
+    }
+    assert compiled_in(model) == []
 
 
 # ----------------------------------------------------------------------------- CUDA
@@ -381,3 +453,26 @@ def test_cuda_auto_measures_and_reports():
     assert set(info["measured_ms"]) | set(info["skipped"]) == {"eager", "graphs", "compiled"}
     assert info["mode"] == min(info["measured_ms"], key=info["measured_ms"].get)
     assert info["probe_patches"] == [1024, 4096]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_cuda_auto_budget_spent_mid_capture(monkeypatch):
+    """The budget (5 s) runs out after the first of two buckets is captured (each capture
+    moves the clock 10 s): graphs is undone and skipped, compiled never starts."""
+    clock, capture = Clock(), buckets.Bucket.capture
+
+    def capture_and_tick(bucket, model, pool):
+        capture(bucket, model, pool)
+        clock.now += 10.0
+
+    monkeypatch.setattr(buckets.Bucket, "capture", capture_and_tick)
+    model = device_random_model(TINY, 0, "cuda", torch.bfloat16)
+    config = ex.ExecutionConfig(mode="auto", graph_buckets=(1024, 4096), auto_budget_s=5)
+    with torch.inference_mode():
+        chosen = ex.choose_fastest(model, config, ["eager", "graphs", "compiled"], {}, clock)
+    assert chosen.mode == "eager"
+    assert chosen.info()["skipped"] == {
+        "graphs": "auto_budget_s (5 s) spent after 1 of 2 buckets captured; undone",
+        "compiled": "auto_budget_s (5 s) spent before it started",
+    }
