@@ -105,12 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", *FEATURE_DTYPES],
         help=f"weights and compute; auto: {AUTO_RULE}",
     )
+    # One encode pays no compile or capture it would not win back; a service's ranks do.
     enc.add_argument(
         "--execution",
-        default="auto",
+        default="eager",
         choices=EXECUTION_MODES,
-        help="how the tower runs: eager, compiled (torch.compile), graphs (CUDA graphs) or "
-        "auto (eager on CPU, the fastest measured at start on CUDA)",
+        help="how the tower runs: eager (default), compiled (torch.compile), graphs (CUDA "
+        "graphs) or auto (eager on CPU, the fastest measured at start on CUDA)",
     )
     enc.add_argument("--out", required=True, help="output .safetensors file")
     enc.add_argument(

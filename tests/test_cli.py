@@ -72,3 +72,12 @@ def test_runs_as_a_module():
     assert done.stdout.startswith("usage: kimi-encoder")
     for command in ("encode", "make-checkpoint", "client"):
         assert command in done.stdout
+
+
+def test_one_shot_encode_runs_eagerly_by_default():
+    """One encode would pay a compile or a capture it never wins back ('auto' is the
+    service's default, not the command's)."""
+    from kimi_encoder.cli import build_parser
+
+    args = build_parser().parse_args(["encode", "--out", "f.safetensors", "a.png"])
+    assert args.execution == "eager"

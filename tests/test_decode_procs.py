@@ -346,7 +346,7 @@ def test_a_bad_decode_setting_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", MODES + RARE_FILE_MODES)
 def test_cuda_gpu_backend_through_workers_equals_threads(mode):
-    encoder = VisionEncoder.from_pretrained("tiny", device="cuda", backend="gpu")
+    encoder = VisionEncoder.from_pretrained("tiny", device="cuda", backend="gpu", execution="eager")
     with DecodeProcesses(1) as pool:
         for size in SIZES.values():
             item = encoder.plan(image_bytes(mode, size, seed=5))

@@ -132,7 +132,7 @@ def test_auto_dtype_on_cpu_is_float32():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_auto_dtype_on_cuda_is_bfloat16():
-    enc = VisionEncoder.from_pretrained("tiny", device="cuda")
+    enc = VisionEncoder.from_pretrained("tiny", device="cuda", execution="eager")
     assert enc.dtype == torch.bfloat16
     assert enc.device.type == "cuda"
     (features,) = enc.encode([enc.plan(image_bytes("RGB", (100, 37)))])
@@ -191,7 +191,11 @@ def test_cuda_float32_matches_cpu(oracle_dir, oracle_encoder, matmul_precision, 
     want = oracle_encoder.encode([oracle_encoder.plan(p.read_bytes()) for p in paths])
     if through == "library":
         cuda = VisionEncoder.from_pretrained(
-            oracle_dir / "checkpoint", device="cuda", dtype="float32", backend="cpu"
+            oracle_dir / "checkpoint",
+            device="cuda",
+            dtype="float32",
+            backend="cpu",
+            execution="eager",
         )
         got = cuda.encode([cuda.plan(p.read_bytes()) for p in paths])
     else:
