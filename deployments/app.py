@@ -6,10 +6,11 @@ deployment option comes from ``AppArgs``: ``dp_size`` ranks (with ``{min, max}``
 ``max`` of them, the first ``min`` with one replica always and the others autoscaled
 between 0 and 1 replicas: ``scaling``), each with
 ``ranks.actor_options`` and ``ranks.serve_options``, ``ingress.replicas`` ingress
-replicas with ``ingress.actor_options`` and ``ingress.serve_options``, and one
+replicas with ``ingress.actor_options`` and ``ingress.serve_options``, one
 ``HandoffRegistry`` replica (the sglang receive addresses all ingress replicas
-share, no CPU reserved). Each deployment is bound with its own sections of the
-args, never the whole. A config's ``deployments:`` entries are only for
+share, no CPU reserved) and, with elastic ranks, one ``RankScaler`` replica (the
+decision every ingress replica follows, no CPU reserved). Each deployment is bound
+with its own sections of the args, never the whole. A config's ``deployments:`` entries are only for
 overriding one deployment; one that gives a rank other resources than
 ``ranks.actor_options`` is refused when that rank starts
 (``rank.check_resources``).
@@ -25,12 +26,15 @@ from ray.serve import Application
 from kimi_encoder.encoder import VisionEncoder
 
 from .args import AppArgs
+from .decider import RankScaler
 from .handoff import HandoffRegistry
 from .ingress import EncodeServer
 from .rank import EncoderFactory, EncoderRank
 
 INGRESS_NAME = "EncodeServer"
 REGISTRY_NAME = "HandoffRegistry"
+SCALER_NAME = "RankScaler"
+SCALER_SLOTS = 256  # one open ask per ingress replica, its health checks
 # Registry calls beyond the parts waiting for addresses: registrations, which return at once.
 REGISTRY_SLOTS = 256
 # Past the queues the proxy answers 503 with Retry-After (a rank's caller sends its
@@ -100,6 +104,25 @@ def bind_app(
         graceful_shutdown_wait_loop_s=ingress_options.graceful_shutdown_wait_loop_s,
         graceful_shutdown_timeout_s=ingress_options.graceful_shutdown_timeout_s,
     )
+    # Elastic ranks: one replica decides how many are wanted, for every ingress replica
+    # (deployments/decider.py); it holds a long call from each, so a few hundred slots.
+    scaler = None
+    if args.elastic:
+        scaler = (
+            serve.deployment(RankScaler)
+            .options(
+                name=SCALER_NAME,
+                num_replicas=1,
+                ray_actor_options=args.ingress.actor_options.model_dump()
+                | args.replica_env()
+                | {"num_cpus": 0},
+                max_ongoing_requests=SCALER_SLOTS,
+                max_queued_requests=SCALER_SLOTS,
+                graceful_shutdown_wait_loop_s=ingress_options.graceful_shutdown_wait_loop_s,
+                graceful_shutdown_timeout_s=ingress_options.graceful_shutdown_timeout_s,
+            )
+            .bind(ranks, args.dispatch, args.scaling, args.dp_min)
+        )
     return ingress.bind(
         ranks,
         registry.bind(args.handoff),
@@ -109,5 +132,5 @@ def bind_app(
         args.handoff,
         rank_cache=args.ranks.cache_bytes > 0,
         dp_min=args.dp_min,
-        scaling=args.scaling if args.elastic else None,
+        scaler=scaler,
     )

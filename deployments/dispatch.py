@@ -82,10 +82,8 @@ class Dispatcher:
 
     @property
     def seconds_model(self) -> CostModel | None:
-        """The ranks' fitted model in seconds (median of each coefficient), if any rank
-        has reported one, whatever ``cost_model`` assignment uses."""
-        fitted = [m for m in self.roster.fitted_models() if m != CostModel.patches()]
-        return _median(fitted) if fitted else None
+        """The ranks' fitted model in seconds, whatever ``cost_model`` assignment uses."""
+        return seconds_model(self.roster.fitted_models())
 
     def loads(self) -> list[float]:
         return self.roster.loads(self.cost_model)
@@ -177,6 +175,13 @@ class Dispatcher:
         if not self.use_fitted:
             return "patches"
         return "fitted" if self.roster.fitted_models() else "patches (no report yet)"
+
+
+def seconds_model(models: Sequence[CostModel]) -> CostModel | None:
+    """The fitted models (in seconds) of ``models`` as one (median of each coefficient),
+    if any rank has reported one."""
+    fitted = [m for m in models if m != CostModel.patches()]
+    return _median(fitted) if fitted else None
 
 
 def _median(models: Sequence[CostModel]) -> CostModel:

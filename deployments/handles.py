@@ -54,6 +54,7 @@ from kimi_encoder.cache import FeatureCache
 from kimi_encoder.engines.sglang import ReceiveUrlRequest
 from kimi_encoder.items import EncoderItem
 
+from .decision import IngressView
 from .records import RankReply
 from .roster import RankUnavailableError
 from .scaling import Replicas
@@ -63,6 +64,7 @@ log = logging.getLogger("ray.serve")
 
 SERVE_NAMESPACE = "serve"  # where Serve registers its replicas' actors by name
 LOOKUP_TIMEOUT_S = 2.0  # a registry slower than this says nothing: the replica counts as alive
+SCALER_ANSWER_S = 5.0  # past its wait, a scaler that has not answered is being replaced
 
 # ActorDiedError and ActorUnavailableError are RayActorErrors; OwnerDiedError (a rank's
 # features in the object store, gone with the rank) is an ObjectLostError.
@@ -389,3 +391,18 @@ class RegistryHandle:
 
     def info(self) -> RegistryCall:
         return RegistryCall(self.handle.info.remote)
+
+
+class ScalerHandle:
+    """The app's ``RankScaler`` deployment (``scaling.ScalerClient``): its decision."""
+
+    def __init__(self, handle: DeploymentHandle):
+        self.handle = handle
+
+    async def decision(self, instance: str, seen: int, view: IngressView, wait_s: float) -> Any:
+        response = self.handle.decision.remote(instance, seen, view, wait_s)
+        try:
+            return await asyncio.wait_for(response, wait_s + SCALER_ANSWER_S)
+        except asyncio.TimeoutError:
+            response.cancel()
+            raise

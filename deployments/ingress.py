@@ -24,14 +24,14 @@ from kimi_encoder.config import resolve_configs
 
 from . import errors
 from .admission import Admission, BodySlots
-from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs, ScalingArgs
+from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
 from .dispatch import Dispatcher
 from .fanout import FanOut
-from .handles import IngressCache, RankHandle, RegistryHandle, ServeDirectory
+from .handles import IngressCache, RankHandle, RegistryHandle, ScalerHandle
 from .handoff import Handoff
 from .metrics import IngressMetrics
 from .roster import DOWN, LIVE, LoopClock, Roster
-from .scaling import Elastic
+from .scaling import Follower
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
 from .wire import json_response, safetensors_response
@@ -65,12 +65,12 @@ class EncodeServer:
         handoff: HandoffArgs,
         rank_cache: bool,
         dp_min: int | None = None,
-        scaling: ScalingArgs | None = None,
+        scaler: DeploymentHandle | None = None,
     ):
         """``model`` as the ranks run it (``AppArgs.model_as_run``); ``rank_cache``:
-        whether the ranks keep a feature cache (cache affinity follows it); ``scaling``
-        (elastic ranks): the first ``dp_min`` ranks always run, the others follow the load
-        (``scaling.Elastic``)."""
+        whether the ranks keep a feature cache (cache affinity follows it); ``scaler``
+        (elastic ranks): the app's ``RankScaler``, whose decision this replica follows
+        (``scaling.Follower``); the first ``dp_min`` ranks always run."""
         self.model = model
         vision, preprocess, self.model_name = resolve_configs(model.checkpoint)
         self.vision = vision
@@ -86,8 +86,8 @@ class EncodeServer:
         self.api_key = ApiKey.load(ingress.api_key_file)
         timeout = dispatch.route_timeout_s
         clients = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
-        fixed = dp_min if scaling is not None else None
-        self.roster = Roster(clients, dispatch, clock=LoopClock(), fixed=fixed)
+        fixed = dp_min if scaler is not None else None
+        self.roster = Roster(clients, dispatch, clock=LoopClock(), fixed=fixed, holds=False)
         self.dispatcher = Dispatcher(
             self.roster,
             dispatch,
@@ -96,13 +96,11 @@ class EncodeServer:
             cache_enabled=rank_cache,
         )
         self.elastic = None
-        if scaling is not None:
-            seconds = lambda: self.dispatcher.seconds_model  # noqa: E731 - read at each tick
-            directory = ServeDirectory(ranks)
-            self.elastic = Elastic(self.roster, fixed, scaling, seconds, directory)
+        if scaler is not None:
+            self.elastic = Follower(self.roster, fixed, ScalerHandle(scaler))
         self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
         self.metrics = IngressMetrics(len(ranks))
-        self.roster.on_change = lambda: self.metrics.ranks_live(len(self.roster.takes_work()))
+        self.roster.on_change = self._publish_live
         self.fanout = FanOut(
             self.roster,
             self.dispatcher,
@@ -204,11 +202,17 @@ class EncodeServer:
         self._scale()
 
     def _scale(self) -> None:
-        """On every request: the elastic loop runs, and the live-rank gauge is current (a
-        value set in the constructor is exported without the app's tags)."""
+        """On every request: the elastic follower runs, and the live-rank gauge is current
+        (a value set in the constructor is exported without the app's tags)."""
         if self.elastic is not None:
             self.elastic.start()
-        self.metrics.ranks_live(len(self.roster.takes_work()))
+        self._publish_live()
+
+    def _publish_live(self) -> None:
+        """The live-rank gauge: how many ranks take work now (elastic ranks: the app's
+        scaler publishes it, as decided)."""
+        if self.elastic is None:
+            self.metrics.ranks_live(len(self.roster.takes_work()))
 
     async def _rank_info(self, rank: int) -> dict[str, Any]:
         """A rank's own report, with the roster's view; ranks the roster sends no call

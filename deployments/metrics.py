@@ -94,7 +94,8 @@ DEFINITIONS = (
         "ranks_live",
         "gauge",
         (),
-        "Ranks with a running replica taking work, as one ingress replica sees them.",
+        "Ranks with a running replica taking work: as the ingress replicas see them (a fixed "
+        "dp_size), or as the app's scaler decided (elastic ranks).",
     ),
 )
 
@@ -301,6 +302,16 @@ class IngressMetrics:
         tags = {"rank": str(rank)}
         self.inflight_patches.set(self.inflight[rank][2], tags=tags)
         self.inflight_bytes.set(self.inflight[rank][3], tags=tags)
+
+
+class ScalerMetrics:
+    """The elastic ranks' decision: how many ranks take work (one series for the app)."""
+
+    def __init__(self):
+        self.live = _make("ranks_live")
+
+    def ranks_live(self, count: int) -> None:
+        self.live.set(count)
 
 
 class RankMetrics:

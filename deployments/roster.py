@@ -204,7 +204,7 @@ class _Rank:
     own: Work = field(default_factory=Work)  # dispatched by this replica, not answered yet
     calls: int = 0  # calls of this replica in flight on it
     report: LoadReport | None = None
-    reported_at: float = -math.inf  # time.monotonic() of the report (its age)
+    reported_at: float = -math.inf  # Roster.monotonic() of the report (its age)
     heard: float = -math.inf  # last progress seen
     progress: tuple | None = None  # (instance, answered) of the last report
     missed: float | None = None  # first missed poll since its last progress
@@ -219,11 +219,17 @@ class Roster:
         dispatch: DispatchArgs,
         clock: Clock = time.monotonic,
         fixed: int | None = None,
+        holds: bool = True,
+        monotonic: Clock = time.monotonic,
     ):
         """``fixed``: how many ranks (the first ones) are always there; the others start
-        parked (elastic ranks). None: all of them."""
+        parked (elastic ranks). None: all of them. ``holds``: this roster keeps one call
+        open on each wanted elastic rank (the app's scaler does; an ingress replica, which
+        follows the scaler's decision, does not). ``monotonic``: the clock of the reports' ages
+        (wall time: a report grows old while the loop lags too)."""
         self.ranks = ranks
         self.clock = clock  # the ingress's LoopClock; tests pass one they move by hand
+        self.monotonic = monotonic
         self.caller = f"ingress-{uuid.uuid4().hex}"  # how the ranks' reports name us
         self.cooldown_s = dispatch.cooldown_s
         self.route_timeout_s = dispatch.route_timeout_s
@@ -233,6 +239,7 @@ class Roster:
         # A poll may wait for routing as long as an encode call may, then must answer.
         self.report_timeout_s = dispatch.route_timeout_s + REPORT_ANSWER_S
         self.fixed = len(ranks) if fixed is None else fixed
+        self.holds = holds
         self._ranks = [
             _Rank(phase=LIVE if r < self.fixed else PARKED, wanted=r < self.fixed)
             for r in range(len(ranks))
@@ -301,7 +308,7 @@ class Roster:
         r.phase, r.wanted, r.why = phase, wanted, why
         log.info("rank %d %s: %s", rank, self.state(rank), why)
         hold = self._tasks.get(("hold", rank))
-        if rank >= self.fixed and phase == LIVE and wanted:
+        if self.holds and rank >= self.fixed and phase == LIVE and wanted:
             self._start_task("hold", rank, self._hold(rank))
         elif hold is not None:
             hold.cancel()  # no call at all from now on: Serve releases it once idle
@@ -328,6 +335,14 @@ class Roster:
         reports = [r.report.by_caller if r.report else None for r in self._ranks]
         return rank_loads(own, reports, self.caller, model)
 
+    def own_work(self) -> list[Work]:
+        """What this replica has dispatched to each rank and had no answer for."""
+        return [r.own for r in self._ranks]
+
+    def reports(self) -> dict[int, tuple[LoadReport, float]]:
+        """Each rank's last load report and when it came (``monotonic``; ranks with one)."""
+        return {i: (r.report, r.reported_at) for i, r in enumerate(self._ranks) if r.report}
+
     def fitted_models(self) -> list[CostModel]:
         """The cost models the ranks reported (one per rank that has)."""
         return [r.report.cost_model for r in self._ranks if r.report is not None]
@@ -342,7 +357,7 @@ class Roster:
         mark = (report.progress.instance, report.progress.answered)
         if report.idle or mark != r.progress:
             r.heard = self.clock()
-        r.progress, r.report, r.reported_at = mark, report, time.monotonic()
+        r.progress, r.report, r.reported_at = mark, report, self.monotonic()
 
     async def refresh(self) -> None:
         """Poll the ranks taking work whose last report is older than the interval (one
@@ -357,13 +372,13 @@ class Roster:
         interval of 0 asks for exact loads instead: every request waits (as long) for a
         poll started after it arrived.
         """
-        now = time.monotonic()
+        now = self.monotonic()
         stale = [r for r in self.up() if now - self._ranks[r].reported_at >= self.report_interval_s]
         if not stale:
             return
         exact = self.report_interval_s == 0
         if self._poll is None or self._poll.done() or (exact and self._poll_started < now):
-            self._poll_started = time.monotonic()
+            self._poll_started = self.monotonic()
             self._poll = asyncio.get_running_loop().create_task(self._poll_ranks(stale))
         if exact or any(now - self._ranks[r].reported_at >= REPORT_OUTDATED_S for r in stale):
             await asyncio.wait([self._poll], timeout=self.report_timeout_s)
@@ -376,7 +391,7 @@ class Roster:
             except Exception as exc:  # noqa: BLE001 - no report: the rank is silent
                 call.cancel()
                 r = self._ranks[rank]
-                r.report, r.reported_at = None, time.monotonic()
+                r.report, r.reported_at = None, self.monotonic()
                 self.missed_report(rank, exc)
                 return
             self.observe(rank, report)
@@ -583,6 +598,19 @@ class Roster:
         live, given no work by this replica until it wants it."""
         if self._ranks[rank].phase == PARKED:
             self._set(rank, LIVE, False, why)
+
+    def follow(self, rank: int, phase: str, why: str) -> None:
+        """Take the app scaler's decision for ``rank`` (``decision.LIVE``, ``DRAINING``,
+        ``STARTING`` or ``PARKED``): this replica gives it work, no new work, or nothing."""
+        r = self._ranks[rank]
+        if phase == PARKED:
+            if r.phase != PARKED:
+                self.released(rank, why)
+        elif phase == STARTING:
+            if r.phase != STARTING:
+                self._set(rank, STARTING, True, why)
+        elif r.phase != LIVE or r.wanted != (phase == LIVE):
+            self._set(rank, LIVE, phase == LIVE, why)
 
     def note(self, rank: int, message: str) -> None:
         """Serve's status message for a starting rank (why no replica runs yet)."""

@@ -289,13 +289,18 @@ class InfoResponse(BaseModel):
     preprocess_backend: str = Field(description="Default backend of requests.")
     dp_size: int = Field(description="Ranks there can be (dp_size, or its max when elastic).")
     ranks_live: list[int] = Field(
-        description="Ranks with a running replica taking work from this ingress replica."
+        description="Ranks with a running replica taking work from this ingress replica "
+        "(elastic ranks: those the scaler wants that this replica finds up)."
     )
     scaling: dict[str, Any] | None = Field(
         None,
-        description="Elastic ranks (null with a fixed dp_size): dp_min, dp_max, the ranks "
-        "wanted now, the queued work in seconds, target_queue_s and the latest decisions "
-        "(scale up or down, rank, why).",
+        description="Elastic ranks (null with a fixed dp_size), as the app's scaler decided "
+        "them (the same from every ingress replica once it has heard): dp_min, dp_max, the "
+        "ranks wanted, decided_by (the scaler's replica), decision (its number), "
+        "decision_age_s, the queued work in seconds it decided on, target_queue_s, "
+        "reports_age_s (the age of the newest load report of each rank and view of each "
+        "ingress replica it weighed), the latest decisions (scale up or down, rank, why), "
+        "and heard_s (since this replica last heard from the scaler).",
     )
     assignment: dict[str, Any] | None = Field(
         None,

@@ -7,6 +7,8 @@ import io
 import pickle
 import signal
 import socket
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -228,3 +230,75 @@ def served(serve_url: str, name: str, args: AppArgs) -> Iterator[str]:
         yield f"{serve_url}/{name}"
     finally:
         serve.delete(name)
+
+
+def wait_for(predicate, within_s: float, what: str, every: float = 0.5):
+    """Poll ``predicate`` (returns a truthy value when met) until it holds: that value;
+    an assertion error naming ``what`` once ``within_s`` has passed."""
+    deadline = time.monotonic() + within_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"{what} not within {within_s:g} s"
+        time.sleep(every)
+
+
+def replica_actors(app: str, deployment: str, alive: bool = True) -> list[str]:
+    """Names of the Serve replica actors of ``deployment`` in ``app``: the running ones,
+    or (``alive=False``) every one ever started, dead ones included."""
+    tag = f"{app}#{deployment}#"
+    return [
+        a["Name"]
+        for a in ray._private.state.actors().values()
+        if tag in a["Name"] and (a["State"] == "ALIVE" or not alive)
+    ]
+
+
+def rank_processes(app: str, ranks: int, alive: bool = True) -> dict[int, int]:
+    """Replica actors of each of the app's ``ranks`` rank deployments (``replica_actors``)."""
+    return {r: len(replica_actors(app, f"EncoderRank_{r}", alive)) for r in range(ranks)}
+
+
+class Ramp:
+    """Closed-loop clients, each sending requests of ``per_request`` fresh seeded JPEGs of
+    ``side`` x ``side`` until stopped; every answer's status and features are kept."""
+
+    def __init__(self, url: str, per_request: int = 4, side: int = 448, first_seed: int = 0):
+        self.url = url
+        self.per_request, self.side, self.first_seed = per_request, side, first_seed
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        self.statuses: list[int] = []
+        self.features: dict[int, np.ndarray] = {}  # image seed -> its features
+
+    def client(self, k: int) -> None:
+        from images import image_bytes
+
+        n = 0
+        while not self.stop.is_set():
+            base = self.first_seed + 100_000 * (k + 1) + self.per_request * n
+            seeds = [base + j for j in range(self.per_request)]
+            files = [
+                ("image", (f"{s}.jpg", image_bytes("RGB", (self.side,) * 2, s, fmt="JPEG")))
+                for s in seeds
+            ]
+            answer = requests.post(f"{self.url}/v1/encode", files=files, timeout=120)
+            with self.lock:
+                self.statuses.append(answer.status_code)
+                if answer.status_code == 200:
+                    for seed, item in zip(seeds, answer.json()["items"], strict=True):
+                        self.features[seed] = decode_features(item)
+            n += 1
+
+    def check(self, reference) -> None:
+        """Every answer 200, every image's features the in-process encoder's (1e-5)."""
+        from images import image_bytes
+
+        counts = {s: self.statuses.count(s) for s in set(self.statuses)}
+        assert set(self.statuses) == {200}, counts
+        with one_thread():
+            for seed, got in self.features.items():
+                item = reference.plan(image_bytes("RGB", (self.side,) * 2, seed, fmt="JPEG"))
+                (want,) = reference.encode([item])
+                np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5, err_msg=str(seed))

@@ -1,88 +1,55 @@
-"""Elastic vision DP over real HTTP: ``dp_size: {min: 1, max: 3}`` and no other setting
-changed (the test apps' CPU ranks and limits).
+"""Elastic vision DP over real HTTP: ``dp_size: {min: 1, max: 3}``.
 
-Idle, one rank process runs. A ramp to 16 closed-loop clients, each request four
-distinct 448x448 JPEGs (all cache misses: the work queues on the ranks), has 3 ranks
-live within 60 s; once the load stops, 1 again within 120 s, the other two ranks'
-replicas released (no process left). Over the whole ramp every answer is 200 and every
-image's features equal the in-process reference's (the fixed-dp parity bound).
+- One ingress replica, no other setting changed (the test apps' CPU ranks and limits):
+  idle, one rank process runs. A ramp to 16 closed-loop clients, each request four
+  distinct 448x448 JPEGs (all cache misses: the work queues on the ranks), has 3 ranks
+  live within 60 s; once the load stops, 1 again within 120 s, the other two ranks'
+  replicas released (no process left).
+- Two and three ingress replicas, both caches off, one decision for all of them (the
+  app's scaler): a load that comes and goes (three cycles of 12 clients, then idle for
+  less than downscale_after_s), a rank killed while it starts, then no request at all.
+  The pool comes back to one rank and one rank process within downscale_after_s +
+  park_after_s + 30 s, as every ingress replica's /v1/info says (several answers in a
+  row, from every replica, agree); no more rank processes started than the ranks there
+  can be, the killed one's replacement aside.
+
+Every answer is 200 and every image's features equal the in-process reference's (the
+fixed-dp parity bound).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 import ray
 import requests
-from images import image_bytes
-from serve_helpers import app_args, decode_features, one_thread, served
+from serve_helpers import (
+    Ramp,
+    app_args,
+    rank_processes,
+    replica_actor,
+    replica_actors,
+    served,
+    wait_for,
+)
 
 pytestmark = pytest.mark.serve
 
 APP = "elastic"
 CLIENTS = 16
-PER_REQUEST = 4
-SIDE = 448  # 32x32 patches: 4 per request fill the test apps' 4096-patch limit
 UP_WITHIN_S = 60.0
 DOWN_WITHIN_S = 120.0
 AFTER_UP_S = 5.0  # load kept on the three ranks before it stops
-
-
-def rank_processes() -> dict[int, int]:
-    """Live replica actors of each rank of the app."""
-    counts = {0: 0, 1: 0, 2: 0}
-    for actor in ray._private.state.actors().values():
-        for rank in counts:
-            if actor["State"] == "ALIVE" and f"{APP}#EncoderRank_{rank}#" in actor["Name"]:
-                counts[rank] += 1
-    return counts
+# Several ingress replicas: a load that comes back before the pool shrinks, then goes.
+SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 10.0, "park_after_s": 4.0}
+CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 8.0, 6.0, 12
+AGREE = 3  # answers in a row from every ingress replica that must agree
 
 
 def info(url: str) -> dict:
     return requests.get(f"{url}/v1/info", timeout=30).json()
-
-
-def wait_for(condition, within_s: float, what: str):
-    """Poll ``condition`` (returns a truthy value when met) until it holds or time is up."""
-    deadline = time.monotonic() + within_s
-    while True:
-        met = condition()
-        if met:
-            return met
-        assert time.monotonic() < deadline, f"{what} not within {within_s:g} s"
-        time.sleep(0.5)
-
-
-class Ramp:
-    """Closed-loop clients, each sending requests of fresh seeded JPEGs until stopped;
-    every answer's status and features are kept."""
-
-    def __init__(self, url: str):
-        self.url = url
-        self.stop = threading.Event()
-        self.lock = threading.Lock()
-        self.statuses: list[int] = []
-        self.features: dict[int, np.ndarray] = {}  # image seed -> its features
-
-    def client(self, k: int) -> None:
-        n = 0
-        while not self.stop.is_set():
-            seeds = [100_000 * (k + 1) + PER_REQUEST * n + j for j in range(PER_REQUEST)]
-            files = [
-                ("image", (f"{s}.jpg", image_bytes("RGB", (SIDE, SIDE), s, fmt="JPEG")))
-                for s in seeds
-            ]
-            answer = requests.post(f"{self.url}/v1/encode", files=files, timeout=120)
-            with self.lock:
-                self.statuses.append(answer.status_code)
-                if answer.status_code == 200:
-                    for seed, item in zip(seeds, answer.json()["items"], strict=True):
-                        self.features[seed] = decode_features(item)
-            n += 1
 
 
 def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
@@ -91,7 +58,7 @@ def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
         idle = info(url)
         assert idle["ranks_live"] == [0]
         assert [r["state"] for r in idle["ranks"]] == ["live", "parked", "parked"]
-        assert rank_processes() == {0: 1, 1: 0, 2: 0}  # idle: one rank process runs
+        assert rank_processes(APP, 3) == {0: 1, 1: 0, 2: 0}  # idle: one rank process runs
 
         ramp = Ramp(url)
         started = time.monotonic()
@@ -117,7 +84,7 @@ def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
 
         wait_for(back_to_one, DOWN_WITHIN_S, "back to 1 rank")
         down_s = time.monotonic() - stopped
-        wait_for(lambda: rank_processes() == {0: 1, 1: 0, 2: 0}, 30, "replicas released")
+        wait_for(lambda: rank_processes(APP, 3) == {0: 1, 1: 0, 2: 0}, 30, "replicas released")
         decisions = info(url)["scaling"]["decisions"]
 
     print(
@@ -125,9 +92,87 @@ def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
         f"stopped; {len(ramp.statuses)} answers, {len(ramp.features)} images"
     )
     assert [d["scale"] for d in decisions][-2:] == ["down", "down"]
-    assert set(ramp.statuses) == {200}, {s: ramp.statuses.count(s) for s in set(ramp.statuses)}
-    with one_thread():
-        for seed, got in ramp.features.items():
-            item = reference.plan(image_bytes("RGB", (SIDE, SIDE), seed, fmt="JPEG"))
-            (want,) = reference.encode([item])
-            np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5, err_msg=str(seed))
+    ramp.check(reference)
+
+
+def agreed(url: str, replicas: int, want) -> dict | None:
+    """The scaling section once ``AGREE`` answers in a row from each of the ``replicas``
+    ingress replicas satisfy ``want`` and name the same decision (None otherwise)."""
+    seen: dict[str, int] = {}
+    decided = set()
+    for _ in range(AGREE * replicas * 6):
+        now = info(url)
+        scaling, caller = now["scaling"], now["assignment"]["caller"]
+        if not want(now):
+            return None
+        seen[caller] = seen.get(caller, 0) + 1
+        decided.add((scaling["decided_by"], tuple(scaling["wanted"])))
+        if len(seen) == replicas and min(seen.values()) >= AGREE:
+            assert len(decided) == 1, decided  # one decision, whichever replica answered
+            return scaling
+    return None
+
+
+def kill_while_starting(url: str, app: str) -> int | None:
+    """Kill the replica of the first rank that is starting (its constructor running), as
+    soon as its actor exists: the rank it was, or None if no start was caught."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        starting = [r["rank"] for r in info(url)["ranks"] if r["state"] == "starting"]
+        for rank in starting:
+            if replica_actors(app, f"EncoderRank_{rank}"):
+                ray.kill(replica_actor(app, rank), no_restart=True)
+                return rank
+        time.sleep(0.05)
+    print("no start caught:", info(url)["scaling"], [r["state"] for r in info(url)["ranks"]])
+    return None
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_several_ingress_replicas_follow_one_decision(serve_url, reference, replicas):
+    args = app_args(
+        dp_size={"min": 1, "max": 3},
+        ingress={"replicas": replicas, "cache_bytes": 0},
+        ranks={"cache_bytes": 0},
+        scaling=SCALING,
+    )
+    name = f"{APP}{replicas}"
+    with served(serve_url, name, args) as url:
+        ramp = Ramp(url, first_seed=replicas * 10_000_000)
+        killed = None
+        for cycle in range(CYCLES):
+            ramp.stop.clear()
+            with ThreadPoolExecutor(CYCLE_CLIENTS) as pool:
+                clients = [pool.submit(ramp.client, cycle * 100 + k) for k in range(CYCLE_CLIENTS)]
+                try:
+                    if cycle == 0:
+                        killed = kill_while_starting(url, name)
+                    time.sleep(LOAD_S)
+                finally:
+                    ramp.stop.set()
+                for client in clients:
+                    client.result()
+            if cycle == 0 and killed is not None:  # Serve starts it again: it takes work
+                wait_for(lambda k=killed: k in info(url)["ranks_live"], 60, "its replacement")
+            elif cycle < CYCLES - 1:
+                time.sleep(IDLE_S)  # shorter than downscale_after_s: the pool stays
+        stopped = time.monotonic()
+        bound = SCALING["downscale_after_s"] + SCALING["park_after_s"] + 30
+
+        def at_minimum(now: dict) -> bool:
+            states = [r["state"] for r in now["ranks"]]
+            return now["scaling"]["wanted"] == [0] and states == ["live", "parked", "parked"]
+
+        scaling = wait_for(lambda: agreed(url, replicas, at_minimum), bound, "back to 1 rank")
+        down_s = time.monotonic() - stopped
+        wait_for(lambda: rank_processes(name, 3) == {0: 1, 1: 0, 2: 0}, 30, "replicas released")
+        started = sum(rank_processes(name, 3, alive=False).values())
+
+    print(
+        f"\n{replicas} ingress replicas: rank {killed} killed while it started; back to 1 rank "
+        f"{down_s:.1f} s after the load stopped (bound {bound:g} s); {started} rank processes "
+        f"started in all; {len(ramp.statuses)} answers; decided by {scaling['decided_by']}"
+    )
+    assert killed is not None, "no rank was caught starting"
+    assert started <= 3 + 1  # the ranks there can be, and the killed one's replacement
+    ramp.check(reference)
