@@ -21,10 +21,10 @@ before the build (the pool is made at a process's first compile);
 AOT autograd cache) in ``TORCHINDUCTOR_CACHE_DIR``, by default
 ``<tempdir>/torchinductor_<user>``: one folder per user and node. A process that finds a
 piece there loads it instead of compiling it, but ranks that start together would all miss
-it and compile the same pieces at once. So a build holds an exclusive ``flock`` on
-``LOCK_NAME`` in that folder: the first process compiles, the others wait for it and then
-load (docs/benchmarks.md, "Compiled start: the second rank against the first"). The
-deadline bounds that wait too.
+it and compile the same pieces at once. So a build holds a ``flock`` on ``LOCK_NAME`` in
+that folder: the first process to come holds it alone and compiles; the others wait for it,
+then hold it shared and load, side by side (docs/benchmarks.md, "Compiled start: the second
+rank against the first"). The deadline bounds that wait too.
 
 **Fallbacks.** Once dynamo has compiled a function ``recompile_limit`` times (new dtypes,
 kinds of tensor, grad modes), it runs it eagerly with one logged warning. While compiled
@@ -95,14 +95,16 @@ def bound_compile_threads(cpus: int | None = None) -> int:
 @contextmanager
 def node_lock(deadline: Deadline) -> Iterator[float]:
     """The node's compile lock held for the block (module docstring); yields the seconds
-    spent waiting for it. ``BudgetSpent`` when ``deadline`` passes first."""
+    spent waiting for it. The first process to come holds it alone and compiles; one that
+    finds it held waits, then holds it shared with the others that waited, so they load
+    side by side. ``BudgetSpent`` when ``deadline`` passes before it is held."""
     path = Path(cache_dir()) / LOCK_NAME
     started = time.perf_counter()
     with path.open("a") as handle:
-        if deadline.at is None:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        else:
-            while not _try_lock(handle):
+        if not _try_lock(handle, fcntl.LOCK_EX):
+            if deadline.at is None:
+                fcntl.flock(handle, fcntl.LOCK_SH)
+            while deadline.at is not None and not _try_lock(handle, fcntl.LOCK_SH):
                 if deadline.passed():
                     raise BudgetSpent("waiting for another process's compile")
                 time.sleep(LOCK_POLL_S)
@@ -112,9 +114,9 @@ def node_lock(deadline: Deadline) -> Iterator[float]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _try_lock(handle) -> bool:
+def _try_lock(handle, kind: int) -> bool:
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, kind | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
     return True

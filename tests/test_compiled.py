@@ -1,7 +1,7 @@
 """The compiled mode's start and fallbacks (kimi_encoder/compiled.py): bounded compile
 workers, one compile per node (two real processes against one fresh cache folder), the
-node's lock under a deadline, and calls past dynamo's recompile limit run eagerly,
-counted, with the eager answer."""
+node's lock under a deadline and shared by those that waited, and calls past dynamo's
+recompile limit run eagerly, counted, with the eager answer."""
 
 from __future__ import annotations
 
@@ -84,9 +84,13 @@ print(json.dumps(prepare(model, "compiled").info()))
 def test_the_second_process_loads_what_the_first_compiled(tmp_path):
     """Two processes start 'compiled' at the same time against one empty cache folder: one
     takes the node's lock and compiles the four pieces (four FX graph cache misses) while
-    the other waits, then loads all four from the cache (four hits, no miss) in a third
-    of the first's compile time or less. On the 2-core machine of docs/benchmarks.md the
-    first compiled in about 40 s, the second loaded in about 8 s."""
+    the other waits, then loads all four from the cache (four hits, no miss).
+
+    What the second did is asserted, not how long it took: on this 2-core machine the
+    first compiled in 48-59 s and the second loaded in 8-10 s (5-7x), but once, with a
+    load average of 32 from other work, the second's load took 78 s. The speed-up is the
+    benchmark's figure (docs/benchmarks.md, "Compiled start: the second rank against the
+    first")."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
     procs = [
@@ -104,7 +108,6 @@ def test_the_second_process_loads_what_the_first_compiled(tmp_path):
     assert first["compile_cache"] == {"hit": 0, "miss": 4}, infos
     assert second["compile_cache"] == {"hit": 4, "miss": 0}, infos
     assert second["compile_wait_s"] > 0, infos  # it waited for the first's compile
-    assert second["compile_s"] * 3 <= first["compile_s"], infos
     assert (tmp_path / "cache" / cp.LOCK_NAME).is_file()
 
 
@@ -133,14 +136,31 @@ def test_a_build_waits_for_the_lock_only_until_its_deadline():
     assert "pre_attention" not in model.vision_tower.encoder.blocks[0].__dict__
 
 
+def test_processes_that_waited_build_side_by_side():
+    """Another process holds the lock shared (it waited for the compile and is loading):
+    a build does not wait for it, it holds the lock shared too."""
+    model = random_model(TINY, seed=2, device="cpu", dtype=torch.float32)
+    path = Path(cp.cache_dir()) / cp.LOCK_NAME
+    with path.open("a") as other:
+        fcntl.flock(other, fcntl.LOCK_SH)
+        try:
+            with torch.inference_mode():  # as a rank builds
+                run = cp.build_compiled(model, cp.Deadline.after(300))  # not the budget's wait
+        finally:
+            fcntl.flock(other, fcntl.LOCK_UN)
+    assert run.report["compile_wait_s"] < 1
+    run.undo()
+
+
 # ----------------------------------------------------------------------------- fallbacks
 
 
 def test_a_call_past_the_recompile_limit_runs_eagerly_and_is_counted():
     """With grad on and pixels that require it, every piece needs another compilation;
-    at a recompile limit of 1 dynamo refuses it: each piece runs eagerly (the answer is
-    eager's), each call is counted, nothing is raised. Back in inference mode the
-    compiled pieces run again, uncounted."""
+    at recompile limits of 1 (the accumulated one too: the per-module limit counts only
+    entries of this model's modules, and another test's model may have made them) dynamo
+    refuses it: each piece runs eagerly (the answer is eager's), each call is counted,
+    nothing is raised. Back in inference mode the compiled pieces run again, uncounted."""
     model = random_model(TINY, seed=3, device="cpu", dtype=torch.float32)
     reference = random_model(TINY, seed=3, device="cpu", dtype=torch.float32)
     chosen = ex.prepare(model, "compiled")
@@ -151,7 +171,8 @@ def test_a_call_past_the_recompile_limit_runs_eagerly_and_is_counted():
     with torch.no_grad():
         want = reference(pixels, grids)
     calls_per_forward = 2 + 2 * TINY.num_layers  # patch embedding, each block's two, projector
-    with torch._dynamo.config.patch(recompile_limit=1), torch.enable_grad():
+    limits = {"recompile_limit": 1, "accumulated_recompile_limit": 1}
+    with torch._dynamo.config.patch(**limits), torch.enable_grad():
         for forward in (1, 2):
             got = chosen(pixels.clone().requires_grad_(), grids)
             assert chosen.info()["compiled_fallbacks"] == forward * calls_per_forward
