@@ -10,7 +10,8 @@ the page ``make bench`` writes (benchmarks/page.py), or, in a budgeted device
 run (gpu_check.py, gpu_served.py), its deadline, status, checks and results as
 they come. A ``Report`` keeps a device run's sections and writes them to its
 output folder as JSON and Markdown after every entry, so a run killed midway
-keeps what it measured; ``Report.run`` runs one section under its deadline.
+keeps what it measured; ``Report.run`` runs one section under its deadline
+(``run_section``: what a section's own process runs too, benchmarks/isolated.py).
 """
 
 from __future__ import annotations
@@ -188,6 +189,13 @@ class Section:
         if self._save is not None:
             self._save(self)
 
+    @classmethod
+    def from_dict(cls, data: dict) -> Section:
+        """A section as ``as_dict`` wrote it (a device run's child hands its section over
+        so: benchmarks/isolated.py)."""
+        fields = ("deadline_s", "status", "elapsed_s", "checks", "results", "notes", "error")
+        return cls(data["name"], **{key: data[key] for key in fields if key in data})
+
     def as_dict(self) -> dict:
         out = {"name": self.title}
         out |= {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
@@ -260,6 +268,27 @@ def alarm(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def run_section(section: Section, fn: Callable[[Section], None], alarm_s: float) -> None:
+    """``fn(section)`` with the section's status set from how it ended: a failed check
+    fails it; ``Skip`` skips it with its reason; ``SectionTimeout`` (the alarm, ``alarm_s``
+    from now) is a timeout; another exception is recorded as an error."""
+    try:
+        with alarm(alarm_s):
+            fn(section)
+        failed = any(c["status"] == "fail" for c in section.checks)
+        section.status = "fail" if failed else "pass"
+    except SectionTimeout as exc:
+        section.status = "timeout"
+        section.error = str(exc)
+    except Skip as exc:
+        section.status = f"skipped: {exc}"
+        say(f"  {section.status}")
+    except Exception as exc:  # noqa: BLE001 - recorded; the next sections still run
+        section.status = "error"
+        section.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
+        say(section.error)
+
+
 class Report:
     """A budgeted run's record: ``data`` (what the run was measured on) and its sections,
     written to ``out`` as ``{name}.json`` and ``{name}.md`` after every entry."""
@@ -300,21 +329,7 @@ class Report:
             section.status = f"skipped: {left:.0f} s of the budget left, it needs {min_s:.0f}"
             say(f"  {section.status}")
         else:
-            try:
-                with alarm(section.deadline_s + self.GRACE_S):
-                    fn(section)
-                failed = any(c["status"] == "fail" for c in section.checks)
-                section.status = "fail" if failed else "pass"
-            except SectionTimeout as exc:
-                section.status = "timeout"
-                section.error = str(exc)
-            except Skip as exc:
-                section.status = f"skipped: {exc}"
-                say(f"  {section.status}")
-            except Exception as exc:  # noqa: BLE001 - recorded; the next sections still run
-                section.status = "error"
-                section.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}"
-                say(section.error)
+            run_section(section, fn, section.deadline_s + self.GRACE_S)
         section.elapsed_s = section.deadline_s - section.left()
         self.save_section(section)
         say(f"== {name}: {section.status} in {section.elapsed_s:.1f} s")

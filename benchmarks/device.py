@@ -170,26 +170,34 @@ def run_sections(
 ) -> None:
     """Each of ``names`` in turn under its deadline (``Report.run``), given ``ctx``;
     ``sections`` maps a name to its function and the least seconds worth starting it.
-    What a section left on the device is freed before the next."""
+    What a section left on the device is freed before the next; freeing it fails after a
+    sticky CUDA error, which the section that hit it has recorded: the next sections still
+    start, each recording its own error if the device is gone (gpu_served.py runs each
+    section in a process of its own instead: benchmarks/isolated.py)."""
     for name in names:
         fn, min_s = sections[name]
         report.run(name, lambda sec, fn=fn: fn(sec, ctx), deadlines[name], min_s)
         gc.collect()
         if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            with contextlib.suppress(Exception):
+                torch.cuda.empty_cache()
 
 
 class Rolling(Mapping[str, float]):
     """Deadlines of sections run in the order of ``shares`` (seconds of a run's budget
     each), read as each starts: its own share, or more where those before it ended early,
     since every section may run until the sum of the shares up to its own
-    (``--sections`` chooses which count)."""
+    (``--sections`` chooses which count). The sections named in ``exact`` get their share
+    alone, whatever those before them left."""
 
-    def __init__(self, shares: Mapping[str, float], names: Sequence[str]):
+    def __init__(self, shares: Mapping[str, float], names: Sequence[str], exact=()):
         self.shares = {name: shares[name] for name in names}
+        self.exact = set(exact)
         self.started = time.monotonic()
 
     def __getitem__(self, name: str) -> float:
+        if name in self.exact:
+            return self.shares[name]
         names = list(self.shares)
         upto = sum(self.shares[n] for n in names[: names.index(name) + 1])
         return max(self.shares[name], upto - (time.monotonic() - self.started))

@@ -25,7 +25,8 @@ Sections, each under its own deadline within the run's budget (``common.Report``
   ``pytest_cuda.txt``;
 - tower: the bf16 matmul ceiling, then the tower's TFLOP/s on batch mixes;
 - preprocess: decode + preprocess, both backends, one image per call;
-- served: the rank's batcher in-process (benchmarks/inprocess.py).
+- served: the rank's batcher in-process (benchmarks/inprocess.py), its tower in the mode
+  ``--execution`` pins (eager by default; gpu_served.py compares the modes).
 
 The float32 settings are the library's and the process's own (reported as
 ``fp32_precision``): this script sets none. Writes ``gpu_check.json`` and
@@ -151,6 +152,7 @@ class Context:
     out: Path
     attention: str = "auto"
     decode_threads: int = 2
+    execution: str = "eager"  # the served rank's tower mode, pinned: gpu_served compares them
     preflight: dict = field(default_factory=dict)
 
     def model(self, cfg: VisionConfig, dtype: torch.dtype):
@@ -343,7 +345,7 @@ def section_served(sec: Section, ctx: Context) -> None:
     net = ctx.model(preset.vision, torch.bfloat16)
     name = f"preset:{plan.preset}"
     args = (images, plan.concurrencies, plan.served_s, plan.timed_s, ctx.decode_threads)
-    batcher_section(sec, net, preset, name, *args)
+    batcher_section(sec, net, preset, name, *args, execution=ctx.execution)
 
 
 # --------------------------------------------------------------------------- main
@@ -379,11 +381,17 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="attention kernel of the throughput sections (auto: the model's own choice)",
     )
+    parser.add_argument(
+        "--execution",
+        choices=("eager", "compiled", "graphs"),
+        default="eager",
+        help="the served rank's tower mode (pinned: 'auto' would measure whichever won)",
+    )
     args, plan, data = start_run(parser, argv, FULL, SMOKE)
     data["flop_formula"] = FLOP_FORMULA
     title = f"GPU check ({data['mode']}, preset {plan.preset})"
     report = Report(args.out, "gpu_check", title, data, args.budget_s, intro)
-    ctx = Context(plan, args.out, decode_threads=args.decode_threads)
+    ctx = Context(plan, args.out, decode_threads=args.decode_threads, execution=args.execution)
     if plan.device == "cuda":
         ctx.preflight = report.data["preflight"] = preflight_varlen()
         ctx.attention = ctx.preflight["attention"]

@@ -77,11 +77,13 @@ def batcher_section(
     seconds: float,
     timed_s: float,
     decode_threads: int = 2,
-    execution: str | ExecutionConfig = "auto",
+    *,
+    execution: str | ExecutionConfig,
 ) -> None:
-    """dp 1 on ``net``'s device, the tower run as ``execution`` says: the tower alone on a
-    batch of ``images``, then closed-loop clients at each concurrency through a
-    ``RankBatcher`` with the feature cache off."""
+    """dp 1 on ``net``'s device, the tower run as ``execution`` says (no default: 'auto'
+    would time candidates at start and measure whichever won, a different mode from one
+    run to the next): the tower alone on a batch of ``images``, then closed-loop clients
+    at each concurrency through a ``RankBatcher`` with the feature cache off."""
     device = next(net.parameters()).device.type
     backend = "gpu" if device == "cuda" else "cpu"
     encoder = EventTimedEncoder(

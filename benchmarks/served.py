@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,18 +142,34 @@ class ServeRun:
     def wait_ready(self, timeout_s: float, prefixes: list[str] | None = None) -> float:
         """Seconds from the start until each app of ``prefixes`` (route prefixes; None:
         every app) has its ranks answer ``/v1/info`` as live."""
-        deadline = time.monotonic() + timeout_s
         if prefixes is None:
             prefixes = [app["route_prefix"] for app in self.config["applications"]]
-        waiting = list(prefixes)
-        while waiting:
-            if self.live(waiting[0]):
-                waiting.pop(0)
-                continue
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{waiting} not ready after {timeout_s:.0f} s: {self.tail()}")
-            time.sleep(0.5)
+        ready = self.wait_live(prefixes, time.monotonic() + timeout_s)
+        waiting = [prefix for prefix in prefixes if prefix not in ready]
+        if waiting:
+            raise TimeoutError(f"{waiting} not ready after {timeout_s:.0f} s: {self.tail()}")
         return time.monotonic() - self.started
+
+    def wait_live(self, prefixes: list[str], deadline: float) -> dict[str, float]:
+        """Seconds from the start until each app of ``prefixes`` was live, for those that
+        were by ``deadline`` (``time.monotonic``; each checked once more after it). The
+        apps are asked side by side: the proxy holds a request for an app still starting,
+        up to ``live``'s few seconds each."""
+
+        def check(prefix: str) -> float | None:
+            return time.monotonic() - self.started if self.live(prefix) else None
+
+        ready: dict[str, float] = {}
+        with ThreadPoolExecutor(max(1, len(prefixes))) as pool:
+            while True:
+                last = time.monotonic() >= deadline
+                waiting = [prefix for prefix in prefixes if prefix not in ready]
+                for prefix, seconds in zip(waiting, pool.map(check, waiting), strict=True):
+                    if seconds is not None:
+                        ready[prefix] = seconds
+                if last or len(ready) == len(prefixes):
+                    return ready
+                time.sleep(0.5)
 
     def live(self, prefix: str) -> bool:
         """Whether the app at ``prefix`` answers ``/v1/info`` with every rank live within a
@@ -170,13 +187,17 @@ class ServeRun:
         return self.log.read_bytes()[-size:].decode(errors="replace")
 
     def __exit__(self, *exc) -> None:
-        """Ctrl-C the session (``serve run`` shuts its cluster down), then kill what is left,
-        HAProxy included: a Serve actor starts it outside the session's process group, and
-        a cluster stopped under it leaves it running, holding its fixed stats and metrics
-        ports, so that the next HAProxy on this machine cannot start."""
+        self.stop(90)
+
+    def stop(self, wait_s: float) -> None:
+        """Ctrl-C the session (``serve run`` shuts its cluster down; killed after ``wait_s``),
+        then kill what is left, HAProxy included: a Serve actor starts it outside the
+        session's process group, and a cluster stopped under it leaves it running, holding
+        its fixed stats and metrics ports, so that the next HAProxy on this machine cannot
+        start."""
         try:
             os.killpg(self.proc.pid, signal.SIGINT)
-            self.proc.wait(90)
+            self.proc.wait(wait_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
@@ -381,11 +402,13 @@ def counters(client: Http, prefix: str) -> dict[str, float]:
     return out
 
 
-def inside_rank(before: dict, after: dict, wall_s: float, tower_ips: float, decode_ms: float):
+def inside_rank(
+    before: dict, after: dict, wall_s: float, tower_ips: float | None, decode_ms: float | None
+):
     """Per image forwarded over a window: queue, decode + preprocess (and the decode alone,
     measured on the same files in this process), pixels to the forward, forward, copy
-    to the host, object-store write; forward against the tower's; the GPU's busy share
-    (forward time over the window)."""
+    to the host, object-store write; forward against the tower's (None without a tower
+    figure); the GPU's busy share (forward time over the window)."""
     delta = {key: after[key] - before[key] for key in after}
     images = delta["forwarded"]
     out = {
@@ -400,7 +423,7 @@ def inside_rank(before: dict, after: dict, wall_s: float, tower_ips: float, deco
         return out
     ms = {key: delta[key] * 1e3 / images for key in RANK_COUNTERS if key.endswith("_s")}
     out["forward_ms"] = ms["forward_s"]
-    out["forward_of_tower"] = ms["forward_s"] * tower_ips / 1e3
+    out["forward_of_tower"] = ms["forward_s"] * tower_ips / 1e3 if tower_ips else None
     if after["has_stage_counters"]:
         out |= {
             "queue_ms": ms["queue_s"],

@@ -1,55 +1,38 @@
 """Every switch of a rank side by side in one device run (benchmarks/gpu_served.py): the
-tower's execution mode (eager, compiled, graphs) x the rank's decode (threads, processes).
+tower's execution mode (eager, graphs, compiled) x the rank's decode (threads, processes).
 
-- ``tower_modes`` (the tower section): the tower alone in each mode on the same weights,
-  built in turn on one model (``kimi_encoder.execution.build``) and undone after: its
-  build time, its TFLOP/s on the plan's FLOP batch (16 x 1024 patches on the GPU: the
-  datasheet's share with the best mode), and its images/s on the square and the mixed
-  sets, each as large a batch as a rank's. The fastest mode per set is the denominator
-  of every ratio of the run (``Context.tower``); each mode's own rates stay too
-  (``Context.tower_by_mode``), so that a variant is also read against its own mode.
-- ``section_switches``: one app per variant in the proxy's ``serve run`` (dp 1, both
-  caches off, ``device_apps.run_apps``): all of them start together, which costs one
-  start instead of one per variant, and the windows load one app at a time. A variant
-  this device cannot run (graphs without CUDA) is reported with the reason; one whose
-  mode failed to build in the tower section is not started. Each variant's answers are
-  checked against the in-process encoder, then the windows go round the variants (8 and
-  1 images per request, then the mixed set), so that each kind of window is measured
-  for every variant before the next kind begins, and a burst of load elsewhere falls
-  on all of them. A variant that fails (its start, its answers, a window) is recorded
-  with its error and the others go on.
+One app per variant in the proxy's ``serve run`` (dp 1, both caches off,
+``device_apps.run_apps``), all started by the driver together with ``/off`` and ``/on``
+and all live before the first window: one start instead of one per variant, and no rank
+still starting during a window. A variant this device cannot run (graphs without CUDA)
+is reported with the reason; one whose mode failed in its tower section is not started.
+Each variant's answers are checked against the in-process encoder, then the windows go
+round the variants (8 and 1 images per request, then the mixed set), so that each kind
+of window is measured for every variant before the next kind begins, and a burst of
+load elsewhere falls on all of them. A window's rate is a ratio to the fastest mode's
+tower on its set (``of_tower``) and to its own mode's (``of_own_mode_tower``). A variant
+that fails (not live, its answers, a window) is recorded with its error and the others
+go on. After the windows each rank says how it ran them: its ``/v1/info`` execution as
+it reports it (mode, buckets used, eager fallbacks, ...).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
-import torch
-
 from benchmarks.common import Section, SectionTimeout, Skip
-from benchmarks.device import H200_DATASHEET_TFLOPS, time_mix
-from benchmarks.device_apps import Context, check_answers, rank_info, server, window
-from benchmarks.inprocess import tower_only_rate
-from benchmarks.served import multipart_bodies
-from kimi_encoder.encoder import VisionEncoder
-from kimi_encoder.execution import (
-    Execution,
-    ExecutionConfig,
-    build,
-    default_buckets,
-    graphs_unsupported,
+from benchmarks.device_apps import (
+    MODES,
+    Context,
+    check_answers,
+    denominators,
+    executions,
+    rank_info,
+    window,
 )
+from benchmarks.served import multipart_bodies
 
-MODES = ("eager", "compiled", "graphs")
 DECODES = ("threads", "processes")
-
-
-def unsupported(mode: str, device: str, dtype: str) -> str | None:
-    """Why ``mode`` cannot run on ``device`` in ``dtype`` (as the library says), or None."""
-    if mode != "graphs":
-        return None
-    return graphs_unsupported(torch.device(device), getattr(torch, dtype))
 
 
 def variant(mode: str, decode: str) -> str:
@@ -57,77 +40,16 @@ def variant(mode: str, decode: str) -> str:
 
 
 def variant_apps(ctx: Context) -> dict[str, dict]:
-    """The apps of the variants this device can run, by name: their args (flat names)."""
+    """The apps of the variants this device can run (``ctx.unsupported``), by name: their
+    args (flat names)."""
     plan = ctx.plan
     base = {"feature_cache_bytes": 0, "ingress_cache_bytes": 0, **plan.variant_args}
     return {
         variant(mode, decode): {**base, "dp_size": 1, "execution": mode, "decode": decode}
         for mode in MODES
-        if not unsupported(mode, plan.device, plan.dtype)
+        if not ctx.unsupported.get(mode)
         for decode in DECODES
     }
-
-
-# --------------------------------------------------------------------------- the tower
-
-
-def tower_modes(sec: Section, ctx: Context, enc: VisionEncoder, batch_patches: int) -> None:
-    """The tower alone in each mode (module docstring); sets ``ctx.tower`` and the rest."""
-    plan = ctx.plan
-    summary: dict[str, dict] = {}
-    for mode in MODES:
-        why = unsupported(mode, plan.device, plan.dtype)
-        if why:
-            summary[mode] = {"status": f"not possible here: {why}"}
-        elif sec.fits(f"the tower, {mode}", 8 * plan.timed_s):
-            summary[mode] = tower_mode(sec, ctx, enc, mode, batch_patches)
-    sec.record("tower by mode", summary)
-    if not ctx.tower_by_mode:
-        raise RuntimeError(f"no execution mode ran the tower: {summary}")
-    for kind in ("square", "mixed"):
-        best = max(ctx.tower_by_mode, key=lambda m: ctx.tower_by_mode[m][kind])
-        ctx.tower[kind] = ctx.tower_by_mode[best][kind]
-        sec.record(f"tower, {kind} set", {"mode": best, "images_per_s": ctx.tower[kind]})
-    ctx.best_mode = max(ctx.tower_by_mode, key=lambda m: ctx.tower_by_mode[m]["square"])
-
-
-def tower_mode(sec: Section, ctx: Context, enc: VisionEncoder, mode: str, batch_patches: int):
-    """``mode`` built on ``enc``'s model, measured, undone: its row of the summary. A mode
-    that fails to build is not served either (``ctx.mode_errors``)."""
-    plan, eager = ctx.plan, enc.execution
-    config = ExecutionConfig(graph_buckets=default_buckets(batch_patches))
-    most = max(plan.per_request) * max(plan.clients)  # images in flight at most
-    name, grids = plan.flops_mix
-    try:
-        built = build(mode, enc.model, config)
-    except SectionTimeout:
-        raise
-    except Exception as exc:  # noqa: BLE001 - recorded: the variant is not served either
-        ctx.mode_errors[mode] = f"{type(exc).__name__}: {str(exc)[:400]}"
-        return {"status": f"build failed: {ctx.mode_errors[mode]}"}
-    row = {"status": "ok", "build_s": built.build_s}
-    try:
-        enc.execution = Execution(mode, built.run, {"requested": mode})
-        flops = time_mix(built.run, enc.vision, list(grids), plan.device, plan.timed_s)
-        if plan.device == "cuda":
-            flops["of_datasheet_989"] = flops["tflops"] / H200_DATASHEET_TFLOPS
-        sec.record(f"{mode}, {name}", flops)
-        row[f"{name} tflops"] = flops["tflops"]
-        row["of_datasheet_989"] = flops.get("of_datasheet_989")
-        rates = {}
-        for kind, images in (("square", ctx.images), ("mixed", ctx.mixed)):
-            measured = tower_only_rate(enc, images, batch_patches, most, plan.timed_s)
-            sec.record(f"{mode}, {kind} set", measured)
-            rates[kind] = row[f"{kind} images_per_s"] = measured["images_per_s"]
-    except SectionTimeout:
-        raise
-    except Exception as exc:  # noqa: BLE001 - recorded; the other modes still run
-        return row | {"status": f"failed: {type(exc).__name__}: {str(exc)[:400]}"}
-    finally:
-        enc.execution = eager
-        built.undo()
-    ctx.tower_by_mode[mode] = rates
-    return row
 
 
 # --------------------------------------------------------------------------- served
@@ -142,16 +64,16 @@ class Matrix:
 
     @classmethod
     def of(cls, ctx: Context) -> Matrix:
-        """Rows for the variants this device cannot run, saying why; those whose mode did
-        not build in the tower section failed (not started)."""
-        matrix = cls()
+        """Rows for the variants this device cannot run, saying why; those whose mode
+        failed in its tower section failed (not started)."""
+        matrix, errors = cls(), ctx.mode_errors()
         for mode in MODES:
-            why = unsupported(mode, ctx.plan.device, ctx.plan.dtype)
+            why = ctx.unsupported.get(mode)
             for decode in DECODES:
                 if why:
                     matrix.rows[variant(mode, decode)] = {"status": f"not possible here: {why}"}
-                elif mode in ctx.mode_errors:
-                    matrix.fail(variant(mode, decode), f"not started: {ctx.mode_errors[mode]}")
+                elif mode in errors:
+                    matrix.fail(variant(mode, decode), f"not started: {errors[mode]}")
         return matrix
 
     def fail(self, name: str, what: str, exc: BaseException | None = None) -> None:
@@ -177,40 +99,30 @@ def windows(ctx: Context) -> list[tuple[str, list, int, str]]:
     return [*square, (f"mixed 8 x {clients}", multipart_bodies(ctx.mixed, 8), clients, "mixed")]
 
 
-def wait_live(run, names: list[str], deadline: float) -> dict[str, float]:
-    """Seconds from the start until each of ``names`` was live, for those that were by
-    ``deadline`` (``time.monotonic``; each checked once more after it)."""
-    ready: dict[str, float] = {}
-    while True:
-        last = time.monotonic() >= deadline
-        for name in names:
-            if name not in ready and run.live(f"/{name}"):
-                ready[name] = time.monotonic() - run.started
-        if last or len(ready) == len(names):
-            return ready
-        time.sleep(0.5)
-
-
 def section_switches(sec: Section, ctx: Context) -> None:
     plan, kinds, matrix = ctx.plan, windows(ctx), Matrix.of(ctx)
     names = matrix.serving(ctx.variant_apps)
     if not names:
         sec.record("variants", matrix.table())
         raise Skip("no variant to serve here (see variants)")
-    run = server(ctx, "proxy", sec, apps=())
-    per_window = plan.switch_warm_s + plan.switch_window_s + 2.0  # with the clients' start
-    needs = len(names) * (len(kinds) * per_window + 2.0)
-    ready = wait_live(run, names, time.monotonic() + max(30.0, sec.left() - needs))
-    sec.record("ready_s", ready)
+    run = ctx.served("proxy")
+    denominators(sec, ctx)
     for name in names:
-        if name not in ready:
-            matrix.fail(name, f"not live after {time.monotonic() - run.started:.0f} s")
-        else:
-            start_variant(sec, ctx, run, name, matrix)
+        try:
+            run.needs(name)
+        except SectionTimeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded; the other variants go on
+            matrix.fail(name, "not live", exc)
+            continue
+        start_variant(sec, ctx, run, name, matrix)
+    per_window = plan.switch_warm_s + plan.switch_window_s + 1.0  # with the clients' start
     for label, bodies, clients, tower in kinds:
         for name in matrix.serving(names):
             if sec.fits(f"{name}, {label}", per_window):
-                measure(sec, ctx, run, name, (label, bodies, clients, tower), matrix)
+                kind = (label, bodies, clients, tower)
+                measure(sec, ctx, run, name, kind, matrix, inside=label == kinds[0][0])
+    sec.record("execution after the windows", executions(run, matrix.serving(names)))
     sec.record("variants", matrix.table())
     rows = [r for r in sec.results.values() if isinstance(r, dict) and "errors" in r]
     errors = sum(r["errors"] for r in rows)
@@ -233,14 +145,18 @@ def start_variant(sec: Section, ctx: Context, run, name: str, matrix: Matrix) ->
         "status": "ok",
         "mode": execution.get("mode"),
         "build_s": execution.get("build_s"),
+        "ready_s": run.live.get(name),
         "decode": ctx.variant_apps[name]["decode"],
         "decode_workers": procs.get("workers", 0),
     }
 
 
-def measure(sec: Section, ctx: Context, run, name: str, kind: tuple, matrix: Matrix) -> None:
+def measure(
+    sec: Section, ctx: Context, run, name: str, kind: tuple, matrix: Matrix, inside: bool
+) -> None:
     """One window of ``kind`` on the variant ``name``: its row, and its figures in the
-    variant's row of the matrix (the first kind's also from inside the rank)."""
+    variant's row of the matrix (``inside``: also from inside the rank, for the first kind,
+    8 images per request, the rank's batches full)."""
     label, bodies, clients, tower = kind
     try:
         row = window(ctx, run, name, bodies, clients, tower, ctx.plan.switch_load(clients))
@@ -249,17 +165,12 @@ def measure(sec: Section, ctx: Context, run, name: str, kind: tuple, matrix: Mat
     except Exception as exc:  # noqa: BLE001 - recorded; the other variants go on
         matrix.fail(name, label, exc)
         return
-    own = ctx.tower_by_mode.get(matrix.rows[name]["mode"], {}).get(tower)
+    own = ctx.tower_by_mode().get(matrix.rows[name]["mode"], {}).get(f"{tower} images_per_s")
     if own:
         row["of_own_mode_tower"] = row["images_per_s"] / own
     sec.record(f"{name}, {label}", row)
     matrix.rows[name][f"{label} of_tower"] = row["of_tower"]
-    if label == windows_first(ctx):  # 8 images per request: the rank's batches full
+    if inside:
         rank = row["rank"]
         keys = ("forward_of_tower", "forward_wait_ms", "gpu_busy")
         matrix.rows[name] |= {key: rank.get(key) for key in keys}
-
-
-def windows_first(ctx: Context) -> str:
-    per, clients = ctx.plan.switch_windows[0]
-    return f"{per} x {clients}"

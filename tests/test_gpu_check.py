@@ -43,6 +43,7 @@ def test_cpu_smoke_runs_every_section(smoke):
     assert tower["fp32_precision"] == report["versions"]["fp32_precision"]
     assert set(tower["fp32_precision"]) == {"matmul", "cudnn_conv", "global"}
     served = report["sections"]["served"]["results"]
+    assert served["setup"]["execution"]["mode"] == "eager"  # pinned, never auto's choice
     assert served["concurrency 2"]["images"] > 0
     assert served["concurrency 2"]["errors"] == []
     markdown = (out / "gpu_check.md").read_text()

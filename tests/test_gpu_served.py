@@ -1,6 +1,7 @@
 """benchmarks/gpu_served.py: its CPU twin (tiny preset, CPU, ``serve run`` on a local Ray) runs
-every section or says why not, its answers are right, and its rows carry what the GPU run
-reports; and the pure parts of benchmarks/served.py."""
+every section, each in a process of its own, or says why not, its answers are right, and
+its rows carry what the GPU run reports; and the pure parts of benchmarks/served.py.
+(tests/test_device_sections.py rehearses its sections' failures.)"""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import json
 import pytest
 
 from benchmarks import device, device_apps, gpu_served, served, switches
+from benchmarks.device_apps import MODES
 
 
 @pytest.fixture(scope="module")
 def smoke(cpu_smoke):
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
     before = served.haproxy_pids()
-    done, out = cpu_smoke("gpu_served", timeout=900, **env)
+    done, out = cpu_smoke("gpu_served", timeout=1200, **env)
     return done, out, json.loads((out / "gpu_served.json").read_text()), before
 
 
@@ -34,6 +36,7 @@ def test_cpu_smoke_runs_every_section_or_says_why_not(smoke):
     assert done.stdout.startswith("versions: python ")
     assert (report["mode"], report["preset"], report["exit_code"]) == ("cpu-smoke", "tiny", 0)
     assert list(report["sections"]) == list(gpu_served.SECTIONS)
+    assert report["driver_touched_cuda"] is False  # only the sections' processes may
     for name, section in report["sections"].items():
         status = section["status"]
         assert status == "pass" or (status.startswith("skipped: ") and len(status) > 12), (
@@ -62,16 +65,23 @@ def test_cpu_smoke_answers_match_the_in_process_encoder(smoke):
     assert [c["errors"] for c in http if c["name"] == "every request answered 200"] == [0]
 
 
+def tower_results(report: dict) -> dict:
+    """Every tower section's results, the last one's summary last (the run's)."""
+    sections = report["sections"]
+    return {k: v for mode in MODES for k, v in sections[f"tower, {mode}"]["results"].items()}
+
+
 @pytest.mark.serve
 def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
     _, _, report, _ = smoke
     sections = report["sections"]
-    tower = sections["tower"]["results"]
+    tower = tower_results(report)
     square = tower["tower, square set"]["images_per_s"]
     assert square > 0
     assert tower["tower, mixed set"]["images_per_s"] > 0
     assert sections["batcher"]["results"]["setup"]["execution"]["mode"] in switches.MODES
     off = sections["http, cache off"]["results"]
+    assert off["tower denominators"]["square"] == tower["tower, square set"]
     for per in gpu_served.SMOKE.per_request:
         for clients in gpu_served.SMOKE.clients:
             row = off[f"{per} per request, {clients} clients"]
@@ -90,7 +100,8 @@ def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
     assert len(rows) == 4
     assert all(row["rank"]["images"] == 0 and row["images_per_s"] > 0 for row in rows)
     for name in ("sglang parts", "vllm files"):
-        rows = [r for r in sections[name]["results"].values() if isinstance(r, dict)]
+        results = sections[name]["results"].values()
+        rows = [r for r in results if isinstance(r, dict) and "rank" in r]
         assert len(rows) == 2, name  # cache off, every image cached
         assert all(r["images_per_s"] > 0 and r["mb_per_s"] > 0 for r in rows), name
     batcher = sections["batcher"]["results"]
@@ -99,24 +110,53 @@ def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
 
 @pytest.mark.serve
 def test_cpu_smoke_measures_the_tower_in_every_mode_it_can_run(smoke):
-    """Eager and compiled on CPU, each on the FLOP batch and both sets; graphs says why
-    not; the ratios' denominators are the fastest mode's rates."""
+    """Eager and compiled on CPU, each in a section of its own, on the FLOP batch and both
+    sets; graphs and eager on varlen say why not; the ratios' denominators are the fastest
+    mode's rates; the bucket check ran on the uncaptured buckets."""
     _, _, report, _ = smoke
-    tower = report["sections"]["tower"]["results"]
+    tower = tower_results(report)
     by_mode = tower["tower by mode"]
     assert by_mode["graphs"]["status"] == "not possible here: " + GRAPHS_ON_CPU
+    assert by_mode["eager, varlen"]["status"].startswith("not possible here: attention_kernel")
     name = gpu_served.SMOKE.flops_mix[0]
     for mode in ("eager", "compiled"):
+        own = report["sections"][f"tower, {mode}"]["results"]
         assert by_mode[mode]["status"] == "ok"
-        assert tower[f"{mode}, {name}"]["patches"] == 16 * 64
-        assert tower[f"{mode}, {name}"]["tflops"] > 0
-        assert by_mode[mode][f"{name} tflops"] == tower[f"{mode}, {name}"]["tflops"]
+        assert own[f"{mode}, {name}"]["patches"] == 16 * 64
+        assert own[f"{mode}, {name}"]["tflops"] > 0
+        assert by_mode[mode][f"{name} tflops"] == own[f"{mode}, {name}"]["tflops"]
     assert by_mode["compiled"]["build_s"] > 0
     for kind in ("square", "mixed"):
         rates = {mode: by_mode[mode][f"{kind} images_per_s"] for mode in ("eager", "compiled")}
         best = tower[f"tower, {kind} set"]
         assert best["images_per_s"] == max(rates.values())
         assert rates[best["mode"]] == best["images_per_s"]
+    graphs = report["sections"]["tower, graphs"]
+    assert graphs["status"] == "pass", graphs.get("error")
+    checks = {c["name"]: c["status"] for c in graphs["checks"]}
+    assert checks == {"every bucket (uncaptured) matches eager: small, large, small again": "pass"}
+    rows = graphs["results"]["graphs vs eager, small-large-small"]
+    assert list(rows) == ["bucket 512", "bucket 1024", "bucket 2048"]
+    for row in rows.values():
+        assert (row["small_equal"], row["finite"], row["in_its_bucket"]) == (True, True, True)
+        assert min(row[f"{b} cosine"] for b in ("small", "large", "small again")) >= 0.999
+    assert graphs["results"]["buckets after the check"]["eager_batches"] == 0
+
+
+@pytest.mark.serve
+def test_cpu_smoke_starts_every_app_before_any_window(smoke):
+    """One ``serve run`` with /off, /on and the 4 CPU variants, all live before the first
+    window; each rank's execution as its /v1/info reports it."""
+    _, _, report, _ = smoke
+    start = report["sections"]["serve run (proxy)"]
+    assert start["status"] == "pass", start.get("error")
+    apps = ["off", "on", *(f"{m}-{d}" for m in ("eager", "compiled") for d in switches.DECODES)]
+    assert sorted(start["results"]["apps"]) == sorted(apps)
+    assert sorted(start["results"]["ready_s"]) == sorted(apps)
+    modes = {app: row["mode"] for app, row in start["results"]["execution by app"].items()}
+    assert modes == {app: app.split("-")[0] if "-" in app else "eager" for app in apps}
+    checks = [c for c in start["checks"] if c["name"] == "every app live before any window"]
+    assert [c["status"] for c in checks] == ["pass"]
 
 
 @pytest.mark.serve
@@ -135,7 +175,7 @@ def test_cpu_smoke_serves_every_cpu_variant_side_by_side(smoke):
     (per, clients), (one, many) = gpu_served.SMOKE.switch_windows
     labels = {f"{per} x {clients}": "square", f"{one} x {many}": "square"}
     labels[f"mixed 8 x {clients}"] = "mixed"
-    tower = report["sections"]["tower"]["results"]
+    tower = tower_results(report)
     for name in served:
         mode, decode = name.split("-")
         assert f"/{name} answers match the encoder" in passed
@@ -158,6 +198,7 @@ def test_cpu_smoke_serves_every_cpu_variant_side_by_side(smoke):
             assert row[f"{label} of_tower"] == window["of_tower"]
         first = results[f"{name}, {per} x {clients}"]["rank"]
         assert row["forward_of_tower"] == first["forward_of_tower"] > 0
+        assert results["execution after the windows"][name]["mode"] == mode
     assert {"every variant served and answered", "every request answered 200"} <= passed
     assert "## switches: pass" in (out / "gpu_served.md").read_text()
 
@@ -176,9 +217,15 @@ def test_rolling_deadlines_give_each_section_its_share_and_what_was_left():
 
 
 def test_every_gpu_section_has_a_share_and_the_shares_fit_the_budget():
+    """The GPU's default run, shutdown included, fits 420 s: a rerun fits the 15 minutes a
+    GPU is lent; --cpu-smoke's fits its own budget."""
+    assert gpu_served.FULL.budget_s <= 420
     for plan in (gpu_served.FULL, gpu_served.SMOKE):
         assert list(plan.shares) == list(gpu_served.SECTIONS)
-        assert sum(plan.shares.values()) <= 470 - device.Report.RESERVE_S
+        default = [name for name in gpu_served.SECTIONS if name not in plan.optional]
+        planned = sum(plan.shares[name] for name in default)
+        assert planned + device.Report.RESERVE_S + gpu_served.SHUTDOWN_S <= plan.budget_s
+    assert gpu_served.SMOKE.optional == ()  # CI runs every section
 
 
 @pytest.mark.parametrize("apps", [2, 3, 6, 8])
@@ -188,15 +235,14 @@ def test_the_gpu_shares_of_the_ranks_fit_one_gpu(apps):
     assert share > 1 / apps - 1e-4
 
 
-def test_the_gpu_runs_apps_validate_and_fit_the_machine(monkeypatch, tmp_path):
+def test_the_gpu_runs_apps_validate_and_fit_the_machine(tmp_path):
     """The proxy's run on the GPU: /off, /on and the 6 variants, each valid ``AppArgs``
     running the mode and decode its name says; their GPU shares add up to at most one GPU
-    and their CPUs to at most the machine's 16. (``unsupported`` asks CUDA for graphs:
-    here every mode counts as possible, as on the GPU machine.)"""
+    and their CPUs to at most the machine's 16. (Every mode counts as possible here, as on
+    the GPU machine: the driver reads which are from its probe.)"""
     from deployments.args import AppArgs
 
-    monkeypatch.setattr(switches, "unsupported", lambda mode, device, dtype: None)
-    ctx = device_apps.Context(gpu_served.FULL, tmp_path, tmp_path)
+    ctx = device_apps.Context(gpu_served.FULL, tmp_path, tmp_path, unsupported={})
     ctx.variant_apps = switches.variant_apps(ctx)
     config = served.served_config(gpu_served.CONFIG, 8123, device_apps.run_apps(ctx, "proxy"))
     apps = {app["name"]: AppArgs.model_validate(app["args"]) for app in config["applications"]}
@@ -213,9 +259,9 @@ def test_the_gpu_runs_apps_validate_and_fit_the_machine(monkeypatch, tmp_path):
         for a in apps.values()
     ]
     assert sum(cpus) <= 16
-    ctx.mode_errors["graphs"] = "RuntimeError: capture failed"  # not started, the rest are
+    ctx.put_tower("graphs", {"error": "RuntimeError: capture failed"})  # not started; the rest are
     assert "graphs-threads" not in device_apps.run_apps(ctx, "proxy")
-    ctx.served_mode = "compiled"  # HAProxy's apps run the mode /off ran, no variants
+    ctx.write("server_modes", {"off": "compiled"})  # HAProxy's apps run the mode /off ran
     haproxy = device_apps.run_apps(ctx, "haproxy")
     assert sorted(haproxy) == ["off", "on"]
     assert {args["execution"] for args in haproxy.values()} == {"compiled"}
@@ -266,3 +312,6 @@ def test_inside_rank_gives_time_per_image_and_the_gpu_busy_share():
     assert {k: pytest.approx(v) for k, v in want.items()} == {k: got[k] for k in want}
     older = after | {"has_stage_counters": 0.0}  # a rank without the stage counters
     assert "queue_ms" not in served.inside_rank(zero, older, 2.0, 100.0, 1.5)
+    no_tower = served.inside_rank(zero, after, 2.0, None, None)  # no tower figure measured
+    assert no_tower["forward_of_tower"] is None
+    assert no_tower["forward_ms"] == pytest.approx(20.0)
