@@ -28,7 +28,8 @@ serve: $(STAMP)
 # it stops, so load balancers can take it out first; every module's apps are deleted
 # when it ends, and here nothing stands in front to deregister from, so 1 s.
 HAPROXY_DRAIN ?= RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1
-HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve/test_bad_inputs.py
+HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve/test_bad_inputs.py \
+	tests/serve/test_engine_gate.py
 
 test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)

@@ -41,6 +41,7 @@ from kimi_encoder.items import (
 from . import request_json
 from .args import BodyPace, ModelArgs, RequestLimits
 from .schemas import EncodeRequest, ImageItem, ResponseFormat, VllmEcOutput
+from .vllm_push import VllmPushOutput, check_push_output
 
 FORM_FIELDS = ("image", "response_format", "backend", "feature_dtype")
 
@@ -110,7 +111,7 @@ class Admitted:
     sources: list[int]
     feature_dtype: str
     response_format: ResponseFormat = "json"
-    output: VllmEcOutput | None = None  # None: the features are the answer
+    output: VllmEcOutput | VllmPushOutput | None = None  # None: the features are the answer
 
     @property
     def patches(self) -> int:
@@ -218,7 +219,10 @@ class Admission:
         """An output of kind 'vllm_ec': configured, one valid, distinct uuid per item,
         JSON metadata in the model's dtype."""
         assert request.output is not None
-        if not self.vllm_ec:
+        kind = request.output.kind
+        if kind == "vllm_push":
+            check_push_output(request.output)
+        elif not self.vllm_ec:
             raise OutputNotConfiguredError(
                 "output kind 'vllm_ec' needs an encoder-cache directory and this server has "
                 "none; set the app's args handoff.ec_root to the vLLM consumer's "
@@ -232,12 +236,12 @@ class Admission:
             )
         if request.response_format != "json":
             raise EncoderInputError(
-                f"output kind 'vllm_ec' answers JSON metadata, not {request.response_format!r}; "
+                f"output kind {kind!r} answers JSON metadata, not {request.response_format!r}; "
                 "drop response_format."
             )
         if request.feature_dtype not in (None, self.model.dtype):
             raise EncoderInputError(
-                f"output kind 'vllm_ec' stores the model's dtype ({self.model.dtype}), not "
+                f"output kind {kind!r} stores the model's dtype ({self.model.dtype}), not "
                 f"{request.feature_dtype!r}; drop feature_dtype."
             )
         first: dict[str, int] = {}

@@ -463,6 +463,55 @@ class DispatchArgs(Section):
     )
 
 
+class VllmPushArgs(Section):
+    """Output kind 'vllm_push': each rank pushes its images' features to the vLLM
+    workers a request names, and waits for their acknowledgements (docs/epd.md)."""
+
+    ack_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Longest one item's push to one vLLM worker may take, from waiting for a "
+        "push slot to the worker's acknowledgement; past it the request fails with 503 naming "
+        "the item and the worker.",
+    )
+    max_in_flight: int = Field(
+        64,
+        ge=1,
+        description="Pushes one rank has unacknowledged at once; a push waits for a slot (at "
+        "most ack_timeout_s, then 503 with Retry-After).",
+    )
+    max_in_flight_per_destination: int = Field(
+        16,
+        ge=1,
+        description="Pushes one rank has unacknowledged at once to one vLLM worker (the same "
+        "wait, the same 503).",
+    )
+
+
+class EngineCallerArgs(Section):
+    """Who may call the engines' routes without the API key (docs/api.md, Security)."""
+
+    # Loopback only: a user widens it knowingly.
+    networks: list[str] = Field(
+        default_factory=lambda: ["127.0.0.0/8", "::1/128"],
+        description="Networks (CIDR) from which, with an API key configured, a caller without "
+        "the key is served on the engines' routes (sglang's /encode, /scheduler_receive_url, "
+        "/health); anyone else gets 401 before the body is read. /v1/* always needs the key. "
+        "The caller's address is the one Serve's proxy saw; behind Serve's HAProxy ingress, "
+        "which passes no caller address, every keyless call is refused.",
+    )
+
+    @field_validator("networks")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        try:
+            parse_networks(value)
+        except ValueError as exc:
+            where = "handoff.engine_callers.networks entry"
+            raise ValueError(str(exc).replace("receive network", where, 1)) from None
+        return value
+
+
 class HandoffArgs(Section):
     """The engine hand-off: sglang's /encode parts and vLLM's encoder-cache files."""
 
@@ -514,6 +563,13 @@ class HandoffArgs(Section):
         "(169.254.0.0/16, fe80::/10) is left out, as cloud metadata services live there "
         "and a prefill listens on a routable address; list it, or a public network, to "
         "push there.",
+    )
+
+    vllm_push: VllmPushArgs = part(
+        VllmPushArgs, "Output kind 'vllm_push': acknowledgement timeout and push bounds."
+    )
+    engine_callers: EngineCallerArgs = part(
+        EngineCallerArgs, "Networks whose keyless calls the engines' routes serve."
     )
 
     @field_validator("receive_networks")

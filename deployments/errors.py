@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse
 
+from kimi_encoder.engines.ecpush import EcPushError
 from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull, error_body
 from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
@@ -46,6 +47,7 @@ ERRORS: dict[type[BaseException], tuple[int, str]] = {
     ValidationError: (422, "validation_error"),
     PushError: (502, "bad_gateway"),
     NoRankAvailableError: (503, "unavailable"),
+    EcPushError: (503, "unavailable"),
     IngressBusyError: (503, "unavailable"),
     RegistryFull: (503, "unavailable"),
     RequestTimeoutError: (504, "timeout"),

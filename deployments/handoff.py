@@ -63,9 +63,10 @@ from kimi_encoder.engines.transport import Frame, ReceiveAddressRefused, Receive
 from kimi_encoder.engines.vllm import EC_FILENAME, VLLM_VERSION
 from kimi_encoder.items import EncoderInputError
 
-from . import errors
+from . import errors, vllm_push
 from .admission import Admission, Admitted, read_body
 from .args import HandoffArgs
+from .engine_gate import EngineGate
 from .fanout import (
     Call,
     FanOut,
@@ -130,7 +131,7 @@ class Handoff:
         admission: Admission,
         fanout: FanOut,
         registry: RegistryClient,
-        api_key: ApiKey,
+        api_key: ApiKey | EngineGate,
     ):
         """Parts are admitted by ``admission`` (its body limit), encoded in ``model_dtype``
         through ``fanout`` and answered within its ``timeout_s``."""
@@ -143,6 +144,10 @@ class Handoff:
         self.policy = config.image_urls.policy()
         self.receive_policy = config.receive_policy()
         self.ec_root = check_ec_root(config.ec_root)
+        push = config.vllm_push
+        self.push_limits = vllm_push.PushLimits(
+            push.ack_timeout_s, push.max_in_flight, push.max_in_flight_per_destination
+        )
         self._pusher: ZmqPusher | None = None
 
     @property
@@ -166,6 +171,7 @@ class Handoff:
             "vllm": VLLM_VERSION,
             "dtype": self.dtype,
             "vllm_ec": self.ec_root is not None,
+            "vllm_push": {"ack_timeout_s": self.push_limits.timeout_s},
             "image_urls": self.policy.allow_http,
             "registry": registry,
         }
@@ -231,6 +237,15 @@ class Handoff:
                     call.cancel()
         raise NoRankAvailableError(roster.retry_after_s())
 
+    async def destination(self, admitted: Admitted) -> Any:
+        """Where a request's output goes: ``ec_destination``, or for output kind
+        ``vllm_push`` the vLLM workers it names, each checked against
+        ``handoff.receive_networks`` before anything is encoded (``vllm_push.py``)."""
+        output = admitted.output
+        if output is not None and output.kind == "vllm_push":
+            return await vllm_push.destination(output, self.receive_policy, self.push_limits)
+        return self.ec_destination(admitted)
+
     def ec_destination(self, admitted: Admitted) -> EcDestination:
         """Output kind ``vllm_ec``: where each item's encoder-cache entry goes. The rank
         that encodes an image writes its entries (renamed into place and synced) before
@@ -243,6 +258,8 @@ class Handoff:
     def ec_answer(self, model: str, admitted: Admitted, gathered: Gathered) -> JSONResponse:
         """The metadata of every entry the ranks wrote for ``admitted`` (``ec_destination``)."""
         assert admitted.output is not None, "a vllm_ec answer for a request without an output"
+        if admitted.output.kind == "vllm_push":
+            return vllm_push.push_answer(model, admitted, gathered)
         items = []
         uuids, owners = admitted.output.uuids, gathered.owners
         for i, (item, written) in enumerate(zip(admitted.items, gathered.features, strict=True)):

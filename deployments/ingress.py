@@ -26,6 +26,7 @@ from . import errors
 from .admission import Admission, BodySlots
 from .args import DispatchArgs, HandoffArgs, IngressArgs, ModelArgs
 from .dispatch import Dispatcher
+from .engine_gate import EngineGate, behind_haproxy
 from .fanout import FanOut
 from .handles import IngressCache, RankHandle, RegistryHandle, ScalerHandle
 from .handoff import Handoff
@@ -84,6 +85,9 @@ class EncodeServer:
         )
         self.bodies = BodySlots(ingress.max_concurrent_bodies)
         self.api_key = ApiKey.load(ingress.api_key_file)
+        # sglang's routes: the key, or a keyless caller from handoff.engine_callers.networks
+        callers = handoff.engine_callers.networks
+        self.engine_gate = EngineGate.of(self.api_key, callers, behind_haproxy())
         timeout = dispatch.route_timeout_s
         clients = [RankHandle(rank, handle, timeout) for rank, handle in enumerate(ranks)]
         fixed = dp_min if scaler is not None else None
@@ -115,7 +119,7 @@ class EncodeServer:
             self.admission,
             self.fanout,
             RegistryHandle(registry),
-            self.api_key,
+            self.engine_gate,
         )
         self.page = (Path(__file__).parent / "static" / "index.html").read_text()
 
@@ -130,7 +134,7 @@ class EncodeServer:
             with self.bodies.take():
                 admitted = await self.admission.admit(request)
             trace.admitted(admitted.items)
-            to = self.handoff.ec_destination(admitted) if admitted.output is not None else None
+            to = await self.handoff.destination(admitted) if admitted.output is not None else None
             gathered = await self.fanout.run(admitted.items, admitted.feature_dtype, to)
             trace.gathered(gathered)
             if admitted.output is not None:
@@ -192,7 +196,8 @@ class EncodeServer:
         return JSONResponse(None)
 
     @api.get("/health", summary="sglang 0.5.23 encoder health: 200 while a rank answers")
-    async def sglang_health(self) -> dict[str, str]:
+    async def sglang_health(self, request: Request) -> dict[str, str]:
+        self.engine_gate.check(request)
         await self.handoff.check_health()
         return {"status": "ok"}
 

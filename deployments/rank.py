@@ -29,6 +29,7 @@ from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
 from .records import LoadReport, RankReply
 from .sinks import EcFiles, Kept, PartPush, Written, part_frames
+from .vllm_push import EcPushes, PushMetrics, push_images
 
 log = logging.getLogger("ray.serve")
 
@@ -122,6 +123,7 @@ class EncoderRank:
         self.ec_entries = 0  # vLLM encoder-cache files this rank wrote
         self.pushed = 0  # sglang parts this rank pushed
         self._pusher: ZmqPusher | None = None
+        self._ec_pusher = None  # vllm_push output: made at first use, on this loop
         self.load_s = time.perf_counter() - started
         self.metrics = RankMetrics(rank)
         self.metrics.leased(0)
@@ -149,7 +151,7 @@ class EncoderRank:
         feature_dtype: str,
         sent_at: float | None = None,
         caller: str = "",
-        sink: EcFiles | Kept | None = None,
+        sink: EcFiles | Kept | EcPushes | None = None,
     ) -> RankReply:
         """Features of ``items``: one array per item (or its object-store ref, with the
         cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
@@ -189,6 +191,10 @@ class EncoderRank:
             features = [_carried(r) for r in results]
         elif isinstance(sink, Kept):
             features = await asyncio.to_thread(_kept, results)
+        elif isinstance(sink, EcPushes):
+            delivered_at = time.perf_counter()
+            features = await self._push_ec(sink, results)
+            stages[DELIVER] = (time.perf_counter() - delivered_at) * 1e3
         else:
             delivered_at = time.perf_counter()
             features = await self._write(sink, results)
@@ -232,6 +238,22 @@ class EncoderRank:
         self.ec_entries += sum(len(w.sizes) for w in written if w is not None)
         return written
 
+    async def _push_ec(self, sink: EcPushes, results: Sequence) -> list:
+        """Push each image to the vLLM workers of ``sink`` from its host features or, for a
+        cache hit, from the object store in place; answered once all acknowledged."""
+        arrays = [
+            None if r is NOT_CACHED else (await r.ref if isinstance(r, StoredFeatures) else r)
+            for r in results
+        ]
+        dtypes = [None if a is None else _storage(a)[1] for a in arrays]
+        arrays = [None if a is None else _storage(a)[0] for a in arrays]
+        if self._ec_pusher is None:
+            self._ec_pusher, self._push_metrics = sink.limits.pusher(), PushMetrics(self.rank)
+        try:
+            return await push_images(self._ec_pusher, sink, arrays, dtypes)
+        finally:
+            self._push_metrics.publish(self._ec_pusher.info())
+
     async def push(self, part: PartPush, stored: Sequence[StoredFeatures]) -> dict:
         """Push an sglang part from this rank: its images' features (``stored``, in item
         order, kept by this rank or others: Ray brings another node's here) joined into
@@ -268,6 +290,7 @@ class EncoderRank:
             "health_checks": self.health_checks,
             "ec_entries": self.ec_entries,
             "parts_pushed": self.pushed,
+            "ec_push": self._ec_pusher.info() if self._ec_pusher is not None else {},
             "leases": self.leases.info(),
             **self.batcher.info(),  # calls, items, patches, num_threads (the encode thread's)
         }
@@ -349,6 +372,13 @@ def _write_entries(sink: EcFiles, arrays: Sequence) -> list[Written | None]:
         sizes = {entry.uuid: entry.nbytes for entry in entries}
         written.append(Written((int(array.shape[0]), int(array.shape[1])), dtype, sizes))
     return written
+
+
+def _storage(features) -> tuple[np.ndarray, str]:
+    """A host tensor or a stored array as a storage array and its dtype's name."""
+    if isinstance(features, torch.Tensor):
+        return to_numpy(features), dtype_name(features.dtype)
+    return features, storage_dtype(features)  # an object-store array (kimi_encoder.features)
 
 
 def _carried(result) -> object:

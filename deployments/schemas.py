@@ -24,6 +24,8 @@ from kimi_encoder.features import (
     PixelDtype,
 )
 
+from .vllm_push import VllmPushOutput
+
 ResponseFormat = Literal["json", "safetensors"]
 
 _PNG_1X1 = (
@@ -137,11 +139,12 @@ class EncodeRequest(BaseModel):
         description=f"Element type of the returned features: {', '.join(FEATURE_DTYPES)}; "
         "default: the server's feature_dtype (the model's dtype unless configured).",
     )
-    output: VllmEcOutput | None = Field(
+    output: Annotated[VllmEcOutput | VllmPushOutput, Field(discriminator="kind")] | None = Field(
         None,
         description="Where features go: null returns them; 'vllm_ec' writes vLLM "
         "encoder-cache files in the model's dtype before answering, and answers metadata "
-        "only (EcWriteResponse).",
+        "only (EcWriteResponse); 'vllm_push' pushes them to vLLM workers and answers once "
+        "each acknowledged (EcPushResponse).",
     )
 
 

@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # tests/images.py, the seeded image gen
 
 STARTUP_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 30
+PUSH_ACK_TIMEOUT_S = 5
 # The served applications: float32 with dp 2 behind two ingress replicas, and bfloat16.
 APPS = {
     "f32": {"dp_size": 2, "replicas": 2, "dtype": "float32"},
@@ -46,6 +47,7 @@ class Service:
     urls: dict[str, str]
     ec_roots: dict[str, Path]
     request_timeout_s: float  # every part is answered within it
+    push_ack_timeout_s: float  # a vllm_push item not acknowledged in it fails the request
     log: Path
 
 
@@ -87,7 +89,11 @@ def _config(port: int, tmp: Path) -> dict:
                 | FAST_SHUTDOWN,
             },
             "dispatch": {"cost_model": "patches"},
-            "handoff": {"wait_s": 20, "ec_root": str(tmp / f"ec-{name}")},
+            "handoff": {
+                "wait_s": 20,
+                "ec_root": str(tmp / f"ec-{name}"),
+                "vllm_push": {"ack_timeout_s": PUSH_ACK_TIMEOUT_S},
+            },
         }
         apps.append(
             {
@@ -143,7 +149,7 @@ def service(kimi_tool, tmp_path_factory) -> Service:
                 pytest.fail(f"our service did not start:\n{log.read_text()[-4000:]}")
             time.sleep(1)
         ec_roots = {name: tmp / f"ec-{name}" for name in APPS}
-        yield Service(urls, ec_roots, REQUEST_TIMEOUT_S, log)
+        yield Service(urls, ec_roots, REQUEST_TIMEOUT_S, PUSH_ACK_TIMEOUT_S, log)
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -40,6 +40,7 @@ def strict(deploy, tmp_path_factory) -> str:
             "request_timeout_s": TIMEOUT_S,
             "limits": {"max_images_per_request": 64, "max_patches_per_request": 1 << 20},
         },
+        handoff={"engine_callers": {"networks": []}},
     )
 
 
@@ -73,14 +74,17 @@ def test_encode_info_and_load_need_the_key(strict, headers):
         }
 
 
-@pytest.mark.parametrize("path", ["/encode", "/scheduler_receive_url"])
-def test_handoff_routes_need_the_key_and_health_stays_open(strict, path):
-    """sglang's routes do the same work as /v1/encode; its health probe stays open."""
-    response = requests.post(f"{strict}{path}", json={}, timeout=60)
+@pytest.mark.parametrize("path", ["/encode", "/scheduler_receive_url", "/health"])
+def test_handoff_routes_need_the_key_outside_the_engine_networks(strict, path):
+    """sglang's routes do the same work as /v1/encode: keyless only from
+    handoff.engine_callers.networks, none here (tests/serve/test_handoff.py has the rest)."""
+    send = requests.get if path == "/health" else requests.post
+    response = send(f"{strict}{path}", json={}, timeout=60)
     assert response.status_code == 401
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.json()["error"]["type"] == "unauthorized", response.text
-    assert requests.get(f"{strict}/health", timeout=30).json() == {"status": "ok"}
+    assert "handoff.engine_callers.networks" in response.json()["error"]["message"]
+    assert requests.get(f"{strict}/health", headers=auth(), timeout=30).json() == {"status": "ok"}
 
 
 def test_the_key_opens_and_healthz_stays_open(strict):

@@ -1,0 +1,247 @@
+"""Output kind ``vllm_push`` into vLLM 0.33.0's consumer, as vLLM builds it (.venv-vllm).
+
+The connector is ours (``kimi_encoder.engines.vllm_connector``, importable in vLLM's
+environment), but both of its sides are made by vLLM's ``ECConnectorFactory`` from a
+``VllmConfig`` whose ``ec_transfer_config`` names it by ``ec_connector_module_path``, as
+``vllm serve --ec-transfer-config`` does; then driven by the calls vLLM's scheduler and
+model runner make: ``ensure_cache_available`` before scheduling, ``update_state_after_alloc``
+and ``build_connector_meta``, the worker's ``start_worker_services`` and
+``start_load_caches``.
+
+Our running service pushes every image of ``tests/data`` (and a few seeded ones) from its
+ranks straight to the worker's socket; its answer comes once the worker acknowledged
+each, and the scheduler then reports them present before the request is scheduled. The
+loaded features equal the service's ``/v1/encode`` features bit for bit (float32; bfloat16
+equal to them rounded). Faults: a consumer that is down (503 within the ack timeout), a
+destination outside ``handoff.receive_networks`` (400, nothing encoded), a request whose
+images never come (vLLM's scheduler fails it after ``wait_timeout_s``, never encodes).
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+from images import image_bytes
+from vllm.config import VllmConfig
+from vllm.config.ec_transfer import ECTransferConfig
+from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
+from vllm.distributed.ec_transfer.ec_connector.factory import ECConnectorFactory
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.request import Request
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))  # kimi-encoder installed in vLLM's environment
+DATA = ROOT / "tests" / "data" / "oracle-k3" / "images"
+MODULE = "kimi_encoder.engines.vllm_connector"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Consumer:
+    """A vLLM consumer engine's two connector sides, built by vLLM's factory."""
+
+    def __init__(self, port: int, **extra):
+        self.port = port
+        config = VllmConfig(
+            ec_transfer_config=ECTransferConfig(
+                ec_connector="KimiEncoderConnector",
+                ec_connector_module_path=MODULE,
+                ec_role="ec_consumer",
+                ec_ip="127.0.0.1",
+                ec_port=port,
+                ec_connector_extra_config=extra,
+            )
+        )
+        self.worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
+        self.worker.start_worker_services()  # what vLLM's worker does once the model is loaded
+        self.scheduler = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.scheduler.shutdown()
+        self.worker.shutdown()
+
+    def ready(self, request: Request, within_s: float = 5.0) -> bool:
+        """Poll ``ensure_cache_available`` as vLLM's scheduler loop does."""
+        deadline = time.monotonic() + within_s
+        while not self.scheduler.ensure_cache_available(request, 0):
+            assert not self.scheduler.take_unavailable_requests(), "request failed"
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def load(self, request: Request) -> dict[str, torch.Tensor]:
+        """Schedule the request's images and run the worker's load, as a step does."""
+        for index, feature in enumerate(request.mm_features):
+            assert self.scheduler.has_cache_item(feature.identifier)
+            self.scheduler.update_state_after_alloc(request, index)
+        metadata = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
+        encoder_cache: dict[str, torch.Tensor] = {}
+        self.worker.bind_connector_metadata(metadata)
+        self.worker.start_load_caches(encoder_cache)
+        self.worker.clear_connector_metadata()
+        return encoder_cache
+
+
+@pytest.fixture
+def consumer():
+    made = []
+
+    def make(**extra) -> Consumer:
+        made.append(Consumer(_free_port(), **extra))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def _request(request_id: str, uuids: list[str], tokens: list[int]) -> Request:
+    features, offset = [], 1
+    for uuid, count in zip(uuids, tokens, strict=True):
+        position = PlaceholderRange(offset=offset, length=count)
+        features.append(
+            MultiModalFeatureSpec(
+                data=None, modality="image", identifier=uuid, mm_position=position
+            )
+        )
+        offset += count + 1
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=[0] * offset,
+        sampling_params=SamplingParams(max_tokens=1),
+        pooling_params=None,
+        mm_features=features,
+    )
+
+
+def _images() -> list[bytes]:
+    files = [path.read_bytes() for path in sorted(DATA.iterdir())]
+    return [*files, image_bytes("RGBA", (40, 40), 32), image_bytes("P", (100, 60), 33)]
+
+
+def _reference(url: str, items: list[dict]) -> list[dict]:
+    body = {"items": items, "feature_dtype": "float32"}
+    answer = requests.post(f"{url}/v1/encode", json=body, timeout=120)
+    assert answer.status_code == 200, answer.text
+    return answer.json()["items"]
+
+
+@pytest.mark.parametrize(("app", "dtype"), [("f32", torch.float32), ("bf16", torch.bfloat16)])
+def test_consumer_receives_what_our_ranks_pushed(service, consumer, app, dtype):
+    vllm = consumer()
+    url = service.urls[app]
+    items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in _images()]
+    uuids = [f"{app}-push-chat-1-image-{i}" for i in range(len(items))]
+    reference = _reference(url, items)
+    tokens = [item["num_tokens"] for item in reference]
+    request = _request(f"{app}-chat-1", uuids, tokens)
+    assert not vllm.scheduler.ensure_cache_available(request, 0)  # nothing pushed yet
+
+    output = {"kind": "vllm_push", "uuids": uuids, "to": [vllm.address]}
+    pushed = requests.post(f"{url}/v1/encode", json={"items": items, "output": output}, timeout=60)
+    assert pushed.status_code == 200, pushed.text
+    entries = pushed.json()["items"]
+    assert [e["num_tokens"] for e in entries] == tokens
+    assert all(e["acked_by"] == [vllm.address] for e in entries)
+
+    # Acknowledged means staged: the scheduler sees every image before it schedules.
+    assert vllm.ready(request, within_s=1.0)
+    cache = vllm.load(request)
+    for uuid, item in zip(uuids, reference, strict=True):
+        want = np.frombuffer(base64.b64decode(item["data"]), "<f4").reshape(item["shape"])
+        assert cache[uuid].dtype == dtype
+        assert torch.equal(cache[uuid], torch.from_numpy(want.copy()).to(dtype))
+
+
+def test_one_image_under_two_uuids_is_encoded_once_pushed_twice(service, consumer):
+    vllm = consumer()
+    url = service.urls["f32"]
+    image = base64.b64encode(image_bytes("RGB", (96, 64), 41)).decode()
+    items = [{"type": "image", "image": image}] * 2
+    uuids = ["twice-a", "twice-b"]
+    output = {"kind": "vllm_push", "uuids": uuids, "to": [vllm.address]}
+    pushed = requests.post(f"{url}/v1/encode", json={"items": items, "output": output}, timeout=60)
+    assert pushed.status_code == 200, pushed.text
+    assert pushed.json()["usage"]["images"] == 2
+    tokens = [e["num_tokens"] for e in pushed.json()["items"]]
+    request = _request("twice", uuids, tokens)
+    assert vllm.ready(request)
+    cache = vllm.load(request)
+    assert torch.equal(cache["twice-a"], cache["twice-b"])
+
+
+def test_a_consumer_that_is_down_is_a_503_within_the_ack_timeout(service):
+    url = service.urls["bf16"]
+    image = base64.b64encode(image_bytes("RGB", (64, 48), 42)).decode()
+    output = {"kind": "vllm_push", "uuids": ["down-0"], "to": [f"127.0.0.1:{_free_port()}"]}
+    started = time.monotonic()
+    answer = requests.post(
+        f"{url}/v1/encode",
+        json={"items": [{"type": "image", "image": image}], "output": output},
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["Retry-After"] == "1"
+    message = answer.json()["error"]["message"]
+    assert "item 0 (uuid 'down-0')" in message
+    assert "nothing accepted the push" in message
+    assert took < service.push_ack_timeout_s + 5
+
+
+def test_a_destination_outside_the_networks_is_refused_before_encoding(service):
+    url = service.urls["f32"]
+    before = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    image = base64.b64encode(image_bytes("RGB", (64, 48), 43)).decode()
+    output = {"kind": "vllm_push", "uuids": ["far-0"], "to": ["203.0.113.9:14579"]}
+    answer = requests.post(
+        f"{url}/v1/encode",
+        json={"items": [{"type": "image", "image": image}], "output": output},
+        timeout=60,
+    )
+    assert answer.status_code == 400, answer.text
+    assert "handoff.receive_networks" in answer.json()["error"]["message"]
+    after = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    assert [r["items"] for r in after] == [r["items"] for r in before]
+
+
+def test_images_that_never_come_fail_the_request_never_encode(consumer):
+    vllm = consumer(wait_timeout_s=0.3)
+    request = _request("never", ["never-pushed"], [8])
+    assert not vllm.scheduler.ensure_cache_available(request, 0)
+    assert not vllm.scheduler.has_cache_item("never-pushed")  # vLLM would not encode it either
+    time.sleep(0.4)
+    assert not vllm.scheduler.ensure_cache_available(request, 0)
+    assert vllm.scheduler.take_unavailable_requests() == {"never"}
+
+
+def test_producer_roles_are_refused():
+    config = VllmConfig(
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="KimiEncoderConnector",
+            ec_connector_module_path=MODULE,
+            ec_role="ec_both",
+            ec_port=_free_port(),
+        )
+    )
+    with pytest.raises(ValueError, match="ec_role must be 'ec_consumer', got 'ec_both'"):
+        ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
