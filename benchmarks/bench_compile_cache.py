@@ -71,11 +71,13 @@ def cache_cell(info: dict) -> str:
 
 
 def sections(quick: bool, presets: tuple[str, ...]) -> list[Section]:
-    repeats = 1 if quick else 2
+    repeats = 1 if quick else 3
     rows = []
     for preset in presets:
-        shared = [pair(preset, shared=True) for _ in range(repeats)]
-        apart = [pair(preset, shared=False) for _ in range(repeats)]
+        shared, apart = [], []
+        for _ in range(repeats):  # alternated: a change in the machine's load hits both
+            shared.append(pair(preset, shared=True))
+            apart.append(pair(preset, shared=False))
         first = spread([run[0]["compile_s"] for run in shared])
         second = spread([run[1]["compile_s"] for run in shared])
         ratio = spread([run[0]["compile_s"] / run[1]["compile_s"] for run in shared])
@@ -107,13 +109,13 @@ def sections(quick: bool, presets: tuple[str, ...]) -> list[Section]:
     ]
     conditions = (
         f"Two processes launched together per run, {repeats} run(s) per preset and cache "
-        "layout, each building the preset's tower 'compiled' (seeded weights, float32; "
-        "compile workers: the library's default bound). Shared: one empty cache folder for "
-        "both; apart: one each. Build seconds exclude the wait for the node's lock; ready: "
-        "seconds from the launch until the process had its compiled tower (imports and "
-        "weights included); median (min–max) over the runs; hits / misses: the FX graph "
-        "cache's, of the last run. first / second is the figure: how much faster the "
-        "second rank's compiled start is than the first's."
+        "layout, the layouts alternated, each building the preset's tower 'compiled' "
+        "(seeded weights, float32; compile workers: the library's default bound). Shared: "
+        "one empty cache folder for both; apart: one each. Build seconds exclude the wait "
+        "for the node's lock; ready: seconds from the launch until the process had its "
+        "compiled tower (imports and weights included); median (min–max) over the runs; "
+        "hits / misses: the FX graph cache's, of the last run. first / second is the "
+        "figure: how much faster the second rank's compiled start is than the first's."
     )
     return [
         Section(
