@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 import yaml
+from keyed import AUTH, KEY
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +106,8 @@ def _config(port: int, tmp: Path) -> dict:
         )
     return {
         "proxy_location": "HeadOnly",
-        "http_options": {"host": "127.0.0.1", "port": port, "request_timeout_s": 120},
+        # '::': IPv6 callers, and IPv4 ones as IPv4-mapped addresses (the engines' routes)
+        "http_options": {"host": "::", "port": port, "request_timeout_s": 120},
         "applications": apps,
     }
 
@@ -114,7 +116,7 @@ def _ready(url: str) -> bool:
     try:
         if requests.get(f"{url}/health", timeout=5).status_code != 200:
             return False
-        ranks = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+        ranks = requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()["ranks"]
     except (requests.RequestException, ValueError, KeyError):  # proxy or app not up yet
         return False
     return all(rank["state"] == "live" for rank in ranks)
@@ -129,7 +131,12 @@ def service(kimi_tool, tmp_path_factory) -> Service:
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump(_config(port, tmp)))
     log = tmp / "serve.log"
-    env = os.environ | {"PYTHONPATH": str(ROOT), "RAY_ADDRESS": "local"}
+    # Keyed: sglang's receivers call keyless from loopback, as the docs' launch lines do.
+    env = os.environ | {
+        "PYTHONPATH": str(ROOT),
+        "RAY_ADDRESS": "local",
+        "KIMI_ENCODER_API_KEY": KEY,
+    }
     env.setdefault("RAY_AUTH_MODE", "disabled")
     with log.open("wb") as out:
         process = subprocess.Popen(

@@ -35,6 +35,7 @@ import torch
 import zmq
 import zmq.asyncio
 from images import image_bytes
+from keyed import AUTH
 from sglang.srt.disaggregation.encoder.receiver import (
     MMReceiverHTTP,
     WaitingMMRequestStatus,
@@ -77,7 +78,7 @@ def v1_encode(url: str, images: list[bytes]) -> tuple[torch.Tensor, dict]:
     original sizes and token counts."""
     items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in images]
     body = {"items": items, "feature_dtype": "float32"}
-    response = requests.post(f"{url}/v1/encode", json=body, timeout=120)
+    response = requests.post(f"{url}/v1/encode", json=body, headers=AUTH, timeout=120)
     assert response.status_code == 200, response.text
     items = response.json()["items"]
     rows = [np.frombuffer(base64.b64decode(i["data"]), "<f4").reshape(i["shape"]) for i in items]
@@ -150,7 +151,8 @@ def test_two_encoder_urls_are_assembled_in_order(service, sglang_log):
 
 
 def parts_pending(url: str) -> int:
-    return requests.get(f"{url}/v1/info", timeout=30).json()["handoff"]["registry"]["parts_pending"]
+    info = requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()
+    return info["handoff"]["registry"]["parts_pending"]
 
 
 def scheduler_rank(
@@ -348,7 +350,7 @@ def test_failed_part_fails_the_request_without_waiting(service, sglang_log, fiel
 
 
 def info(url: str) -> dict:
-    return requests.get(f"{url}/v1/info", timeout=30).json()
+    return requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()
 
 
 def test_rank_killed_while_a_part_is_in_flight(service, sglang_log):

@@ -17,6 +17,7 @@ import pytest
 import requests
 import torch
 from images import image_bytes
+from keyed import AUTH
 from vllm.config import VllmConfig
 from vllm.config.ec_transfer import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -96,10 +97,12 @@ def test_consumer_loads_what_our_service_wrote(service, app, dtype):
     items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in images]
     uuids = [f"{app}-chat-7-image-{i}" for i in range(len(images))]
     body = {"items": items, "output": {"kind": "vllm_ec", "uuids": uuids}}
-    written = requests.post(f"{url}/v1/encode", json=body, timeout=120)
+    written = requests.post(f"{url}/v1/encode", json=body, headers=AUTH, timeout=120)
     assert written.status_code == 200, written.text
     body = {"items": items, "feature_dtype": "float32"}
-    reference = requests.post(f"{url}/v1/encode", json=body, timeout=120).json()["items"]
+    reference = requests.post(f"{url}/v1/encode", json=body, headers=AUTH, timeout=120).json()[
+        "items"
+    ]
     tokens = [item["num_tokens"] for item in reference]
     assert [entry["num_tokens"] for entry in written.json()["items"]] == tokens
 

@@ -30,6 +30,7 @@ import pytest
 import requests
 import torch
 from images import image_bytes
+from keyed import AUTH
 from vllm.config import VllmConfig
 from vllm.config.ec_transfer import ECTransferConfig
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorRole
@@ -140,7 +141,7 @@ def _images() -> list[bytes]:
 
 def _reference(url: str, items: list[dict]) -> list[dict]:
     body = {"items": items, "feature_dtype": "float32"}
-    answer = requests.post(f"{url}/v1/encode", json=body, timeout=120)
+    answer = requests.post(f"{url}/v1/encode", json=body, headers=AUTH, timeout=120)
     assert answer.status_code == 200, answer.text
     return answer.json()["items"]
 
@@ -157,7 +158,9 @@ def test_consumer_receives_what_our_ranks_pushed(service, consumer, app, dtype):
     assert not vllm.scheduler.ensure_cache_available(request, 0)  # nothing pushed yet
 
     output = {"kind": "vllm_push", "uuids": uuids, "to": [vllm.address]}
-    pushed = requests.post(f"{url}/v1/encode", json={"items": items, "output": output}, timeout=60)
+    pushed = requests.post(
+        f"{url}/v1/encode", json={"items": items, "output": output}, headers=AUTH, timeout=60
+    )
     assert pushed.status_code == 200, pushed.text
     entries = pushed.json()["items"]
     assert [e["num_tokens"] for e in entries] == tokens
@@ -179,7 +182,9 @@ def test_one_image_under_two_uuids_is_encoded_once_pushed_twice(service, consume
     items = [{"type": "image", "image": image}] * 2
     uuids = ["twice-a", "twice-b"]
     output = {"kind": "vllm_push", "uuids": uuids, "to": [vllm.address]}
-    pushed = requests.post(f"{url}/v1/encode", json={"items": items, "output": output}, timeout=60)
+    pushed = requests.post(
+        f"{url}/v1/encode", json={"items": items, "output": output}, headers=AUTH, timeout=60
+    )
     assert pushed.status_code == 200, pushed.text
     assert pushed.json()["usage"]["images"] == 2
     tokens = [e["num_tokens"] for e in pushed.json()["items"]]
@@ -197,6 +202,7 @@ def test_a_consumer_that_is_down_is_a_503_within_the_ack_timeout(service):
     answer = requests.post(
         f"{url}/v1/encode",
         json={"items": [{"type": "image", "image": image}], "output": output},
+        headers=AUTH,
         timeout=60,
     )
     took = time.monotonic() - started
@@ -210,17 +216,18 @@ def test_a_consumer_that_is_down_is_a_503_within_the_ack_timeout(service):
 
 def test_a_destination_outside_the_networks_is_refused_before_encoding(service):
     url = service.urls["f32"]
-    before = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    before = requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()["ranks"]
     image = base64.b64encode(image_bytes("RGB", (64, 48), 43)).decode()
     output = {"kind": "vllm_push", "uuids": ["far-0"], "to": ["203.0.113.9:14579"]}
     answer = requests.post(
         f"{url}/v1/encode",
         json={"items": [{"type": "image", "image": image}], "output": output},
+        headers=AUTH,
         timeout=60,
     )
     assert answer.status_code == 400, answer.text
     assert "handoff.receive_networks" in answer.json()["error"]["message"]
-    after = requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]
+    after = requests.get(f"{url}/v1/info", headers=AUTH, timeout=30).json()["ranks"]
     assert [r["items"] for r in after] == [r["items"] for r in before]
 
 
