@@ -86,4 +86,5 @@ interop: interop-env $(STAMP)
 	  -c tests/interop/pytest.ini tests/interop/test_sglang.py tests/interop/test_sglang_service.py \
 	  $(PYTEST_ARGS)
 	KIMI_ENCODER_PYTHON=$(abspath $(PY)) VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest \
-	  -c tests/interop/pytest.ini tests/interop/test_vllm.py $(PYTEST_ARGS)
+	  -c tests/interop/pytest.ini tests/interop/test_vllm.py tests/interop/test_vllm_push.py \
+	  tests/interop/test_engine_routes.py $(PYTEST_ARGS)
