@@ -64,7 +64,7 @@ from kimi_encoder.items import EncoderInputError, EncoderItem
 from kimi_encoder.load import Work
 
 from .args import BatchingArgs
-from .records import LoadReport, Progress
+from .ranks.records import LoadReport, Progress
 
 LOOK_AHEAD = 256  # queued images a batch is chosen from (the oldest always among them)
 

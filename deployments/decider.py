@@ -18,12 +18,14 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from .args import DispatchArgs, ScalingArgs
-from .decision import LIVE, Decision, IngressView
 from .dispatch import seconds_model
 from .handles import RankHandle, ServeDirectory
 from .metrics import ScalerMetrics
-from .roster import LoopClock, Roster
-from .scaling import Elastic
+from .ranks.clock import LoopClock
+from .ranks.decision import Decision, IngressView
+from .ranks.roster import Roster
+from .ranks.row import LIVE
+from .ranks.scaler import Elastic
 
 
 class RankScaler:

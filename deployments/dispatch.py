@@ -28,7 +28,7 @@ from kimi_encoder.items import EncoderItem
 from kimi_encoder.load import Work
 
 from .args import DispatchArgs
-from .roster import Roster
+from .ranks.roster import Roster
 
 HOLDERS_CAPACITY = 1 << 16  # image keys remembered for cache affinity
 

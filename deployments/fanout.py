@@ -1,8 +1,9 @@
 """One request's images to their owner ranks and back: fan-out, re-dispatch, hedging,
 ordered gather.
 
-Ray-free: a rank is a ``roster.RankClient``; what is known of the ranks (which take
-work, their loads, when a call counts as late) is the ``Roster``'s, on its clock. A
+Ray-free: every call goes through the ``ranks.Roster`` (its gate, its clock, its book);
+what is known of the ranks (which take work, their loads, when a call counts as late) is
+the roster's. A
 call that fails with ``RankUnavailableError`` (the rank died, is being replaced, its
 queue is full, no replica took the call in time) is not the request's doing, so its
 images go to the ranks still up, within the same request, until every image has
@@ -41,8 +42,10 @@ from kimi_encoder.config import VisionConfig
 from kimi_encoder.items import EncoderItem
 
 from .dispatch import Dispatcher, Plan
-from .records import RankReply
-from .roster import Call, RankClient, RankUnavailableError, Roster
+from .ranks.calls import Call, EncodeCall, RankUnavailableError
+from .ranks.lifecycle import ENCODE
+from .ranks.records import RankReply
+from .ranks.roster import Roster
 from .sinks import Destination
 
 log = logging.getLogger("ray.serve")
@@ -151,7 +154,6 @@ class FanOut:
         kept: KeptFeatures | None = None,
     ):
         self.roster = roster
-        self.ranks: Sequence[RankClient] = roster.ranks
         self.dispatcher = dispatcher
         self.vision = vision
         self.timeout_s = timeout_s
@@ -179,7 +181,7 @@ class FanOut:
         try:
             while any(f is None for f in gathered.features):
                 uncovered = self._uncovered(gathered, flights)
-                if uncovered and len(self.roster.excluded()) < len(self.ranks):
+                if uncovered and len(self.roster.excluded()) < len(self.roster):
                     flights += self._dispatch(uncovered, items, gathered, again=rounds > 0)
                     rounds += 1
                 elif uncovered and not flights:
@@ -260,7 +262,6 @@ class FanOut:
         exclude = self.roster.excluded() | ({avoid} if avoid is not None else set())
         plan = self.dispatcher.plan(subset, dtype, exclude=exclude, keys=keys)
         sent_at = time.time()  # the ranks' queue wait starts here (wall clock: other processes)
-        now = self.roster.clock()
         flights = []
         for rank, idx in plan.groups.items():
             group = [subset[j] for j in idx]
@@ -275,17 +276,18 @@ class FanOut:
             if gathered.destination is not None:  # each image, and the items it stands for
                 copies = [[i for i, k in covers.items() if k == b] for b in range(len(idx))]
                 sink = gathered.destination.for_call(copies)
-            call = self.ranks[rank].encode(
-                [pending[j] for j in idx],
-                group,
-                sent_at,
-                self.roster.caller,
-                dtype,
+            record = EncodeCall(
+                indices=[pending[j] for j in idx],
+                items=group,
+                feature_dtype=dtype,
+                sent_at=sent_at,
+                caller=self.roster.caller,
                 held=[j in plan.held for j in idx],
                 sink=sink,
             )
+            call, sent = self.roster.call(rank, ENCODE, record)
             late_after = self.roster.late_after_s(expected)
-            flight = _Flight(rank, call, _arrival(call), plan, covers, now, late_after)
+            flight = _Flight(rank, call, _arrival(call), plan, covers, sent, late_after)
             flight.stack.enter_context(self.in_flight({rank: group}))
             flight.stack.enter_context(self.dispatcher.dispatched(plan, rank))
             flights.append(flight)
@@ -334,19 +336,17 @@ class FanOut:
     def _land(self, flight: _Flight, gathered: Gathered) -> None:
         """A call ended: its features fill what is still missing, or its error counts."""
         error = flight.task.exception()
+        rank, replica = flight.rank, getattr(flight.call, "replica", None)
         if isinstance(error, RankUnavailableError):
-            self.roster.mark_down(error, flight.sent)
+            self.roster.book(rank, ENCODE, flight.sent, error, replica)
             return
         if error is not None:
             raise error  # an input error or an encoder failure: never retried
         reply, arrived_at = flight.task.result()
-        rank = flight.rank
         assert reply.rank == rank, (reply.rank, rank)
         assert len(reply.features) == len(flight.plan.groups[rank]), (rank, flight.plan)
         assert reply.dtype == gathered.dtype, (reply.dtype, gathered.dtype)
-        self.roster.heard(rank)
-        self.roster.mark_up(rank, getattr(flight.call, "replica", None), flight.sent)
-        self.roster.observe(rank, reply.load)
+        self.roster.book(rank, ENCODE, flight.sent, reply, replica)
         self.dispatcher.record(flight.plan, only={rank})
         gathered.answers[rank] = RankAnswer(rank, reply, arrived_at)
         refs = reply.refs if self.kept is not None else None

@@ -32,6 +32,7 @@ repeated image needs no rank call.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,13 +53,12 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from kimi_encoder.cache import FeatureCache
 from kimi_encoder.engines.sglang import ReceiveUrlRequest
-from kimi_encoder.items import EncoderItem
 
-from .decision import IngressView
-from .records import RankReply
-from .roster import RankUnavailableError
-from .scaling import Replicas
-from .sinks import EcFiles, Kept, PartPush
+from .ranks.calls import EncodeCall, RankUnavailableError
+from .ranks.decision import IngressView
+from .ranks.records import RankReply
+from .ranks.scaler import Replicas
+from .sinks import PartPush
 
 log = logging.getLogger("ray.serve")
 
@@ -254,35 +254,23 @@ class RankHandle:
         self.handle = handle
         self.route_timeout_s = route_timeout_s
 
-    def encode(
-        self,
-        indices: list[int],
-        items: list[EncoderItem],
-        sent_at: float,
-        caller: str,
-        feature_dtype: str,
-        held: list[bool] | tuple = (),
-        sink: EcFiles | Kept | None = None,
-    ) -> RankCall:
-        """Images the rank's cache is expected to hold (``held``) go by digest, without
-        their file bytes, which as call arguments cost Ray's object store CPU on every
-        call (docs/api.md, "Measurements behind the code"); any the rank no longer holds
-        are sent again with their bytes in a second call, within the same ``RankCall``."""
-        kwargs = {"sent_at": sent_at, "caller": caller, "feature_dtype": feature_dtype}
-        if sink is not None:
-            kwargs["sink"] = sink
-        held = held or [False] * len(items)
+    def encode(self, call: EncodeCall) -> RankCall:
+        """Images the rank's cache is expected to hold (``call.held``) go by digest,
+        without their file bytes, which as call arguments cost Ray's object store CPU on
+        every call (docs/api.md, "Measurements behind the code"); any the rank no longer
+        holds are sent again with their bytes in a second call, within the same
+        ``RankCall``."""
+        items = call.items
+        held = call.held or [False] * len(items)
         held = [bool(h) and i.can_go_by_digest for h, i in zip(held, items, strict=True)]
         if not any(held):
-            return self._call("encode", None, indices, items, **kwargs)
+            return self._call("encode", None, dataclasses.replace(call, held=()))
         sent = [item.by_digest() if h else item for h, item in zip(held, items, strict=True)]
 
         def refill(missing: list[int]) -> tuple[tuple, dict]:
-            again = ([indices[k] for k in missing], [items[k] for k in missing])
-            resent = {"sink": sink.only(missing)} if sink is not None else {}
-            return again, {**kwargs, **resent, "sent_at": time.time()}
+            return (dataclasses.replace(call.only(missing), sent_at=time.time()),), {}
 
-        return self._call("encode", None, indices, sent, refill=refill, **kwargs)
+        return self._call("encode", None, dataclasses.replace(call, items=sent), refill=refill)
 
     def push(self, part: PartPush, stored: Sequence[Any]) -> RankCall:
         """Have the rank push ``part`` (``EncoderRank.push``); ``stored`` are the refs the

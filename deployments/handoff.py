@@ -76,6 +76,8 @@ from .fanout import (
     RequestTimeoutError,
 )
 from .metrics import RequestTrace
+from .ranks import tasks
+from .ranks.lifecycle import PUSH
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
 from .sinks import KEPT, EcDestination, PartPush, Written
@@ -219,23 +221,8 @@ class Handoff:
         """``GET /health``: returns while a rank answers its load report within
         ``HEALTH_TIMEOUT_S``; raises ``NoRankAvailableError`` (503) otherwise."""
         roster = self.fanout.roster
-        calls = [roster.ranks[r].load() for r in sorted(roster.up())]
-        tasks = [asyncio.ensure_future(_await(call)) for call in calls]
-        try:
-            for arrival in asyncio.as_completed(tasks, timeout=HEALTH_TIMEOUT_S):
-                try:
-                    await arrival
-                    return
-                except Exception:  # noqa: BLE001 - that rank is down: ask the others
-                    continue
-        except asyncio.TimeoutError:
-            pass
-        finally:
-            for task, call in zip(tasks, calls, strict=True):
-                if not task.done():
-                    task.cancel()
-                    call.cancel()
-        raise NoRankAvailableError(roster.retry_after_s())
+        if not await tasks.any_answers(roster, HEALTH_TIMEOUT_S):  # answers and misses booked
+            raise NoRankAvailableError(roster.retry_after_s())
 
     async def destination(self, admitted: Admitted) -> Any:
         """Where a request's output goes: ``ec_destination``, or for output kind
@@ -337,13 +324,9 @@ class Handoff:
             one_off=req.receive_address is not None,
             send_timeout_s=self.config.send_timeout_s,
         )
-        rank = pusher_rank(gathered, self.fanout.roster.down())
-        call = self.fanout.ranks[rank].push(part, gathered.features)
-        try:
-            await call
-        except asyncio.CancelledError:
-            call.cancel()
-            raise
+        roster = self.fanout.roster
+        rank = pusher_rank(gathered, roster.down())
+        await roster.ask(rank, PUSH, None, part, gathered.features)
 
     def _receivers(self, req: EncodeRequest, until: float) -> _PartReceivers:
         if req.receive_address is not None:  # zmq_to_tokenizer: the part names its address

@@ -31,8 +31,10 @@ from .fanout import FanOut
 from .handles import IngressCache, RankHandle, RegistryHandle, ScalerHandle
 from .handoff import Handoff
 from .metrics import IngressMetrics
-from .roster import DOWN, LIVE, LoopClock, Roster
-from .scaling import Follower
+from .ranks import report
+from .ranks.clock import LoopClock
+from .ranks.follower import Follower
+from .ranks.roster import Roster
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
 from .wire import json_response, safetensors_response
@@ -71,7 +73,7 @@ class EncodeServer:
         """``model`` as the ranks run it (``AppArgs.model_as_run``); ``rank_cache``:
         whether the ranks keep a feature cache (cache affinity follows it); ``scaler``
         (elastic ranks): the app's ``RankScaler``, whose decision this replica follows
-        (``scaling.Follower``); the first ``dp_min`` ranks always run."""
+        (``ranks.follower.Follower``); the first ``dp_min`` ranks always run."""
         self.model = model
         vision, preprocess, self.model_name = resolve_configs(model.checkpoint)
         self.vision = vision
@@ -149,7 +151,12 @@ class EncodeServer:
     async def info(self, request: Request) -> Any:
         self.api_key.check(request)
         self._scale()
-        ranks = await asyncio.gather(*(self._rank_info(r) for r in range(len(self.roster))))
+        ranks = await asyncio.gather(
+            *(
+                report.rank_report(self.roster, r, RANK_INFO_TIMEOUT_S)
+                for r in range(len(self.roster))
+            )
+        )
         return {
             "model": self.model_name,
             **self.vision.summary(),
@@ -161,7 +168,7 @@ class EncodeServer:
             "ranks_live": sorted(self.roster.takes_work()),
             "scaling": self.elastic.info() if self.elastic is not None else None,
             "assignment": self.dispatcher.info(),
-            "failover": self.roster.info(),
+            "failover": report.failover(self.roster),
             "ingress_cache": self.kept.info() if self.kept is not None else None,
             "handoff": await self.handoff.info(),
             "ranks": ranks,
@@ -218,16 +225,3 @@ class EncodeServer:
         scaler publishes it, as decided)."""
         if self.elastic is None:
             self.metrics.ranks_live(len(self.roster.takes_work()))
-
-    async def _rank_info(self, rank: int) -> dict[str, Any]:
-        """A rank's own report, with the roster's view; ranks the roster sends no call
-        (parked, starting, given no work) only the latter: a call would keep them."""
-        seen = self.roster.rank_info(rank)
-        if seen["state"] not in (LIVE, DOWN):
-            return seen
-        call = self.roster.ranks[rank].info()
-        try:
-            return {**await asyncio.wait_for(call, RANK_INFO_TIMEOUT_S), **seen}
-        except Exception as exc:  # noqa: BLE001 - a sick rank is reported, not raised
-            call.cancel()
-            return {**seen, "state": "unavailable", "error": f"{type(exc).__name__}: {exc}"}

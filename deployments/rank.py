@@ -21,13 +21,13 @@ from kimi_encoder.engines.sglang import push_frames
 from kimi_encoder.engines.transport import ZmqPusher
 from kimi_encoder.engines.vllm import write_ec_array
 from kimi_encoder.features import dtype_name, storage_dtype, to_numpy
-from kimi_encoder.items import EncoderItem
 
 from .args import ModelArgs, RankArgs
 from .batcher import NOT_CACHED, RankBatcher, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
-from .records import LoadReport, RankReply
+from .ranks.calls import EncodeCall
+from .ranks.records import LoadReport, RankReply
 from .sinks import EcFiles, Kept, PartPush, Written, part_frames
 from .vllm_push import EcPushes, PushMetrics, push_images
 
@@ -144,26 +144,15 @@ class EncoderRank:
         if batcher is not None:
             batcher.close()
 
-    async def encode(
-        self,
-        indices: Sequence[int],
-        items: Sequence[EncoderItem],
-        feature_dtype: str,
-        sent_at: float | None = None,
-        caller: str = "",
-        sink: EcFiles | Kept | EcPushes | None = None,
-    ) -> RankReply:
-        """Features of ``items``: one array per item (or its object-store ref, with the
-        cache on), in input order, in ``feature_dtype`` (as admission chose and checked it,
-        answered with them; bfloat16 as uint16 words, see ``kimi_encoder.features``).
-        With a ``sink`` the features go there from this rank instead, and each item is
-        answered with what was delivered (``sinks.Written``).
-
-        ``indices`` are the request's item indices, used only to name a bad item;
-        ``sent_at`` is the caller's ``time.time()`` when it sent them (queue wait);
-        ``caller`` names the ingress replica in this rank's load report.
-        """
-        assert len(indices) == len(items), (len(indices), len(items))
+    async def encode(self, call: EncodeCall) -> RankReply:
+        """Features of ``call.items``: one array per item (or its object-store ref, with
+        the cache on), in input order, in ``call.feature_dtype`` (as admission chose and
+        checked it; bfloat16 as uint16 words, see ``kimi_encoder.features``). With a
+        ``call.sink`` (``EcFiles``, ``Kept``, ``EcPushes``) the features go there from this
+        rank instead, and each item is answered with what was delivered
+        (``sinks.Written``). ``ranks.calls.EncodeCall`` says what each field is."""
+        indices, items, feature_dtype = call.indices, call.items, call.feature_dtype
+        sent_at, caller, sink = call.sent_at, call.caller, call.sink
         started = time.perf_counter()
         stages: dict[str, float] = {}
         if sent_at is not None:  # wall clocks of two processes: clamp a skew to 0

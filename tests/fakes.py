@@ -12,8 +12,8 @@ from collections.abc import Callable
 import numpy as np
 
 from deployments.args import DispatchArgs
-from deployments.records import LoadReport, Progress, RankReply
-from deployments.roster import Roster
+from deployments.ranks.records import LoadReport, Progress, RankReply
+from deployments.ranks.roster import Roster
 from deployments.sinks import EcFiles, Written
 from kimi_encoder.config import get_preset
 from kimi_encoder.cost import CostModel
@@ -59,11 +59,14 @@ class FakeRank:
         self.holds = self.released = 0  # hold calls sent, and cancelled
         self.push_behaviour = None
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
-        self.calls.append(list(indices))
-        self.held.append(list(held))
-        self.sinks.append(sink)
-        return FakeCall(self._encode(list(indices), list(items), feature_dtype, sink))
+    def encode(self, call):
+        """``call``: the ``ranks.calls.EncodeCall`` the roster sends."""
+        self.calls.append(list(call.indices))
+        self.held.append(list(call.held))
+        self.sinks.append(call.sink)
+        return FakeCall(
+            self._encode(list(call.indices), list(call.items), call.feature_dtype, call.sink)
+        )
 
     async def _encode(self, indices, items, feature_dtype, sink=None):
         try:

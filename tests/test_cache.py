@@ -13,7 +13,7 @@ from images import gray_png
 from deployments.args import BatchingArgs, DispatchArgs
 from deployments.batcher import RankBatcher
 from deployments.dispatch import Dispatcher
-from deployments.roster import Roster
+from deployments.ranks.roster import Roster
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.config import get_preset, resolve_configs
 from kimi_encoder.encoder import VisionEncoder

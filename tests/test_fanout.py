@@ -9,6 +9,7 @@ sent to every rank, a hanging rank waits on an event that is never set.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import numpy as np
@@ -19,10 +20,16 @@ from images import image_bytes
 from deployments.args import DispatchArgs
 from deployments.dispatch import Dispatcher
 from deployments.fanout import FanOut, NoRankAvailableError, RequestTimeoutError
-from deployments.records import RankReply
-from deployments.roster import RankUnavailableError
+from deployments.ranks import report
+from deployments.ranks.calls import RankUnavailableError
+from deployments.ranks.records import RankReply
 from deployments.sinks import EcDestination, EcFiles, Written
 from kimi_encoder.items import EncoderInputError, EncoderItem, plan_image
+
+
+def set_rules(roster, **changes) -> None:
+    """The roster's lateness settings (``ranks.health.Lateness``) with ``changes``."""
+    roster.rules = dataclasses.replace(roster.rules, **changes)
 
 
 def fan_out(
@@ -196,7 +203,7 @@ def test_a_late_rank_is_hedged_and_its_call_cancelled_when_the_copy_answers():
 
     ranks = [FakeRank(0), FakeRank(1, hang)]
     fanout, roster = fan_out(ranks)
-    roster.slow_after_s = 0.05  # the tiny model's expected time is far below it
+    set_rules(roster, slow_after_s=0.05)  # the tiny model's expected time is far below it
     request = items(6, seed=50)
     gathered = asyncio.run(fanout.run(request, "float32"))
     assert_in_order(gathered, request)
@@ -221,7 +228,7 @@ def test_first_answer_wins_when_the_late_call_answers_before_its_copy():
 
     ranks = [FakeRank(0, zero), FakeRank(1, late)]
     fanout, roster = fan_out(ranks)
-    roster.slow_after_s = 0.05
+    set_rules(roster, slow_after_s=0.05)
 
     async def run():
         task = asyncio.ensure_future(fanout.run(request, "float32"))
@@ -290,8 +297,8 @@ class Unrouted(FakeRank):
         self.route = route
         self.pending: list[FakeCall] = []
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
-        call = super().encode(indices, items, sent_at, caller, feature_dtype, held, sink)
+    def encode(self, call):
+        call = super().encode(call)
         call.routed = False
         self.pending.append(call)
         return call
@@ -307,7 +314,7 @@ def test_an_unrouted_call_is_hedged_after_the_route_timeout_and_keeps_routing():
         route = asyncio.Event()
         ranks = [FakeRank(0), Unrouted(1, route)]
         fanout, roster = fan_out(ranks)
-        roster.route_timeout_s = 0.02
+        set_rules(roster, route_timeout_s=0.02)
         request = items(6, seed=90)
         gathered = await fanout.run(request, "float32")
         return ranks, roster, request, gathered
@@ -319,7 +326,7 @@ def test_an_unrouted_call_is_hedged_after_the_route_timeout_and_keeps_routing():
     assert ranks[0].calls[-1] == share  # its images went to rank 0 while it routed
     assert ranks[1].cancelled == 1  # the unrouted call was dropped once rank 0 answered
     assert roster.down() == {1}
-    assert "no replica took the call in " in roster.info()["down"][1]
+    assert "no replica took the call in " in report.failover(roster)["down"][1]
     assert roster.failed() == set()  # slow, not failed: it gets work when no rank is up
 
 
@@ -331,7 +338,7 @@ def test_when_no_rank_routes_in_time_the_request_waits_for_routing_not_503():
         route = asyncio.Event()
         ranks = [Unrouted(0, route), Unrouted(1, route)]
         fanout, roster = fan_out(ranks)
-        roster.route_timeout_s = 0.01
+        set_rules(roster, route_timeout_s=0.01)
         request = items(6, seed=100)
         task = asyncio.ensure_future(fanout.run(request, "float32"))
         while roster.down() != {0, 1}:  # both calls late: both ranks down as slow
@@ -354,7 +361,7 @@ def test_unrouted_calls_of_ranks_that_then_fail_give_503_not_a_wait():
         route = asyncio.Event()  # never set: the replacements are still starting
         ranks = [Unrouted(0, route), Unrouted(1, route)]
         fanout, roster = fan_out(ranks)
-        roster.route_timeout_s = 0.01
+        set_rules(roster, route_timeout_s=0.01)
         task = asyncio.ensure_future(fanout.run(items(4, seed=110), "float32"))
         while roster.down() != {0, 1}:  # both calls late: both ranks down as slow
             await asyncio.sleep(0)
@@ -413,7 +420,7 @@ def test_a_rank_that_keeps_answering_is_busy_not_late(progress):
         clock = Clock()
         ranks = [FakeRank(0), Held(1)]
         fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
-        roster.slow_after_s = 0.05  # the fan-out wakes at least this often
+        set_rules(roster, slow_after_s=0.05)  # the fan-out wakes at least this often
         request = items(6, seed=120)
         task = asyncio.ensure_future(fanout.run(request, "float32"))
         await ranks[1].sent.wait()
@@ -451,7 +458,7 @@ def test_a_late_call_is_never_hedged_to_its_own_rank():
         route = asyncio.Event()
         ranks = [Unrouted(0, route)]
         fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
-        roster.route_timeout_s, roster.slow_after_s = 0.01, 0.05
+        set_rules(roster, route_timeout_s=0.01, slow_after_s=0.05)
         task = asyncio.ensure_future(fanout.run(items(3, seed=130), "float32"))
         while not ranks[0].calls:
             await asyncio.sleep(0)
@@ -482,7 +489,7 @@ def test_an_unrouted_call_of_a_rank_that_answers_is_queued_not_late():
         route = asyncio.Event()
         ranks = [FakeRank(0), Unrouted(1, route)]
         fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
-        roster.route_timeout_s, roster.slow_after_s = 0.01, 0.05
+        set_rules(roster, route_timeout_s=0.01, slow_after_s=0.05)
         task = asyncio.ensure_future(fanout.run(items(6, seed=140), "float32"))
         while not ranks[1].calls:
             await asyncio.sleep(0)
@@ -512,7 +519,7 @@ def test_a_missed_report_of_a_rank_with_calls_in_flight_is_theirs_to_judge():
         clock = Clock()
         ranks = [FakeRank(0), Held(1)]
         fanout, roster = fan_out(ranks, timeout_s=1e6, clock=clock)
-        roster.slow_after_s = 1e3  # the call itself is never late here
+        set_rules(roster, slow_after_s=1e3)  # the call itself is never late here
         task = asyncio.ensure_future(fanout.run(items(6, seed=160), "float32"))
         await ranks[1].sent.wait()
         clock.now += 2e3  # quiet for twice slow_after_s
@@ -572,12 +579,12 @@ class Replaced(FakeRank):
         super().__init__(0)
         self.fail, self.first_sent = asyncio.Event(), asyncio.Event()
 
-    def encode(self, indices, items, sent_at, caller, feature_dtype, held=(), sink=None):
+    def encode(self, record):
         if self.calls:
-            call = super().encode(indices, items, sent_at, caller, feature_dtype, held, sink)
+            call = super().encode(record)
             call.replica = "B"
             return call
-        self.calls.append(list(indices))
+        self.calls.append(list(record.indices))
 
         async def dies() -> dict:
             self.first_sent.set()

@@ -13,9 +13,11 @@ import pytest
 from fakes import Clock, FakeCall, FakeRank, busy, make_roster
 
 from deployments.args import ScalingArgs
-from deployments.records import LoadReport, Progress
-from deployments.roster import LoopClock, RankUnavailableError
-from deployments.scaling import TICK_S, Elastic, Replicas, Scaler
+from deployments.ranks import report
+from deployments.ranks.calls import RankUnavailableError
+from deployments.ranks.clock import LoopClock
+from deployments.ranks.records import LoadReport, Progress
+from deployments.ranks.scaler import TICK_S, Elastic, Replicas, Scaler
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 
@@ -98,7 +100,7 @@ def test_lateness_does_not_soften_a_failure():
     roster = asyncio.run(scenario())
     assert roster.failed() == {0}
     assert roster.excluded() == {0}
-    assert "actor died" in roster.info()["down"][0]
+    assert "actor died" in report.failover(roster)["down"][0]
 
 
 class Registry(FakeRank):
@@ -132,7 +134,7 @@ def test_a_slow_rank_whose_replica_is_gone_has_failed(gone, failed):
     assert roster.down() == {0}
     assert roster.failed() == failed
     if failed:
-        assert "its replica r0 is gone" in roster.info()["down"][0]
+        assert "its replica r0 is gone" in report.failover(roster)["down"][0]
 
 
 def test_a_missed_report_of_a_rank_that_answers_is_not_silence():
@@ -314,7 +316,7 @@ def test_queued_work_starts_parked_ranks_which_take_work_once_they_answer():
     assert excluded == {1, 2}  # no work for a starting rank
     assert [r.wakes for r in ranks] == [0, 1, 1]
     assert [d["scale"] for d in driver.decisions] == ["up", "up"]
-    assert roster.rank_info(1)["scaling_reason"].startswith("started in ")
+    assert roster.rows[1].why.startswith("started in ")
 
 
 def test_a_rank_that_cannot_start_leaves_the_live_ones_serving_with_the_reason():
@@ -329,7 +331,7 @@ def test_a_rank_that_cannot_start_leaves_the_live_ones_serving_with_the_reason()
     roster, ranks = asyncio.run(scenario())
     assert roster.state(1) == "parked"
     assert roster.takes_work() == {0}
-    reason = roster.rank_info(1)["scaling_reason"]
+    reason = roster.rows[1].why
     assert reason.startswith("could not start: no replica answered within start_timeout_s=")
     assert "Serve: 1 replica has taken more than 30s to be scheduled" in reason
     assert ranks[1].wakes == 1
@@ -368,8 +370,8 @@ def test_a_failed_start_is_tried_again_only_after_start_timeout_s():
 
     roster, seen = asyncio.run(scenario())
     assert seen == [("parked", 1), ("parked", 1), ("parked", 2)]
-    assert "its start failed" in roster.rank_info(1)["scaling_reason"]
-    assert "the constructor raised" in roster.rank_info(1)["scaling_reason"]
+    assert "its start failed" in roster.rows[1].why
+    assert "the constructor raised" in roster.rows[1].why
 
 
 def test_a_rank_not_wanted_drains_gets_no_call_and_parks_when_serve_releases_it():

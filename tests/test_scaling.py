@@ -12,15 +12,15 @@ import pytest
 from fakes import Clock, FakeRank, make_roster
 
 from deployments.args import DispatchArgs, ScalingArgs
-from deployments.decision import IngressView, Seen, queued_seconds, weight
-from deployments.records import LoadReport, Progress
-from deployments.roster import Roster
-from deployments.scaling import (
+from deployments.ranks.decision import IngressView, Seen, queued_seconds, weight
+from deployments.ranks.follower import Follower
+from deployments.ranks.records import LoadReport, Progress
+from deployments.ranks.roster import Roster
+from deployments.ranks.scaler import (
     REPORT_FRESH_S,
     REPORT_STALE_S,
     TICK_S,
     Elastic,
-    Follower,
     NotReady,
     Replicas,
 )
@@ -35,10 +35,11 @@ def report(by_caller: dict[str, Work]) -> LoadReport:
     return LoadReport(by_caller, MS, Progress("rank", 0))
 
 
-def scaler(count: int = 3, lo: int = 1):
-    """An app scaler's loop over fake ranks, both clocks the test's."""
+def scaler(count: int = 3, lo: int = 1, ranks=None):
+    """An app scaler's loop over fake ranks (``ranks``, or new ones), both clocks the
+    test's."""
     clock = Clock()
-    ranks = [FakeRank(r) for r in range(count)]
+    ranks = ranks or [FakeRank(r) for r in range(count)]
     settings = DispatchArgs(load_report_interval_ms=0)
     roster = Roster(ranks, settings, clock=clock, fixed=lo, monotonic=clock)
     return Elastic(roster, lo, SCALING, lambda: MS, by="scaler-1"), roster, clock
@@ -120,18 +121,20 @@ def test_a_successor_scaler_wants_every_rank_that_runs():
     """A scaler replacing a dead one: ranks with a replica are wanted (held, given work), a
     parked one stays parked; nothing is let go before downscale_after_s."""
 
+    ranks = [FakeRank(r) for r in range(3)]
+
     async def scenario():
-        elastic, roster, clock = scaler()
+        elastic, _, clock = scaler(ranks=ranks)
         elastic.begin({0: Replicas(1), 1: Replicas(1), 2: Replicas(0)})
         await asyncio.sleep(0)
         for _ in range(round(5.0 / TICK_S)):  # idle, but for less than downscale_after_s
             clock.now += TICK_S
             elastic.step()
-        return elastic, roster
+        return elastic
 
-    elastic, roster = asyncio.run(scenario())
+    elastic = asyncio.run(scenario())
     assert elastic.phases() == ("live", "live", "parked")
-    assert roster.ranks[1].holds == 1  # the scaler keeps it
+    assert ranks[1].holds == 1  # the scaler keeps it
     assert not elastic.decisions
     assert elastic.decision().wanted == [0, 1]
 

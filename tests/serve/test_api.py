@@ -20,6 +20,8 @@ from safetensors.numpy import load as load_safetensors
 from safetensors.torch import load as load_torch
 from serve_helpers import b64, decode_features, encode, one_thread
 
+from deployments.ranks.calls import EncodeCall
+
 pytestmark = pytest.mark.serve
 
 
@@ -120,7 +122,8 @@ def test_a_rank_answers_each_image_as_an_array_read_in_place(url, images, refere
     app = url.rsplit("/", 1)[1]
     rank = serve.get_deployment_handle("EncoderRank_0", app_name=app)
     planned = [reference.plan(b) for b in images[:3]]
-    answer = rank.encode.remote([0, 1, 2], planned, "float32").result(timeout_s=120)
+    call = EncodeCall(indices=[0, 1, 2], items=planned, feature_dtype="float32")
+    answer = rank.encode.remote(call).result(timeout_s=120)
     features = answer.features
     assert isinstance(features, list)
     assert len(features) == 3

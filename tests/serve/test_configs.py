@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 from ray.serve._private.build_app import build_app as build_deployments  # names of a built app
 from ray.serve.schema import ServeDeploySchema
 
-from deployments.app import INGRESS_NAME, REGISTRY_NAME, build_app, rank_name
+from deployments.app import INGRESS_NAME, REGISTRY_NAME, SCALER_NAME, build_app, rank_name
 from deployments.args import GLIBC_TUNABLES, MOVED, AppArgs
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -32,15 +32,22 @@ def load(name: str) -> tuple[dict, AppArgs, dict]:
 
 def assert_options_come_from_args(app: dict, args: AppArgs, built: dict) -> None:
     """Every rank has ranks.actor_options and ranks.serve_options, the ingress its own,
-    the hand-off registry is one replica without CPUs; the config lists no per-deployment
-    entry (nothing to override)."""
+    the hand-off registry is one replica without CPUs, and so is the scaler of elastic
+    ranks (none with a fixed dp_size); the config lists no per-deployment entry (nothing
+    to override)."""
     assert "deployments" not in app
     ranks = {rank_name(r) for r in range(args.dp_max)}
-    assert set(built) == {INGRESS_NAME, REGISTRY_NAME, *ranks}
+    scaler = {SCALER_NAME} if args.elastic else set()
+    assert set(built) == {INGRESS_NAME, REGISTRY_NAME, *ranks, *scaler}
     registry = built.pop(REGISTRY_NAME)
     assert registry.num_replicas == 1
     assert registry.ray_actor_options["num_cpus"] == 0
     assert registry._deployment_config.max_ongoing_requests > args.handoff.max_pending
+    if args.elastic:
+        one = built.pop(SCALER_NAME)
+        assert one.num_replicas == 1
+        assert one.ray_actor_options["num_cpus"] == 0
+        assert one._deployment_config.max_ongoing_requests >= 2 * args.ingress.replicas
     for name, deployment in built.items():
         is_rank = name != INGRESS_NAME
         config = deployment._deployment_config

@@ -26,7 +26,7 @@ from typing import Any
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 
-from .roster import LIVE, STARTING
+from .row import LIVE, STARTING
 
 
 def weight(age_s: float, fresh_s: float, stale_s: float) -> float:

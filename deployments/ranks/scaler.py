@@ -66,9 +66,10 @@ from typing import Any, Protocol
 
 from kimi_encoder.cost import CostModel
 
-from .args import ScalingArgs
+from ..args import ScalingArgs
 from .decision import Decision, IngressView, Seen, queued_seconds
-from .roster import DRAINING, LIVE, PARKED, STARTING, Roster
+from .roster import Roster
+from .row import DRAINING, LIVE, PARKED, STARTING
 
 log = logging.getLogger("ray.serve")
 
@@ -79,8 +80,6 @@ DOWN_SHARE = 0.5  # one rank fewer must still be this far under the target: no f
 # at all (decision.weight): the scaler refreshes both every tick or second.
 REPORT_FRESH_S = 2.0
 REPORT_STALE_S = 6.0
-FOLLOW_WAIT_S = 1.0  # a follower's ask waits this long for a change: its view's refresh
-FOLLOW_RETRY_S = 0.5  # after an ask that failed
 
 
 class Scaler:
@@ -356,7 +355,7 @@ class Elastic:
             by=self.by,
             made_at=time.time(),
             phases=self.phases(),
-            why=tuple(roster.rank_info(r)["scaling_reason"] for r in range(len(roster))),
+            why=tuple(row.why for row in roster.rows),
             queued_s=self.queued_s,
             target_queue_s=self.config.target_queue_s,
             dp_min=self.lo,
@@ -387,61 +386,3 @@ class Elastic:
 
 class NotReady(Exception):
     """The scaler has no decision yet (it is reading Serve's view of the ranks)."""
-
-
-class ScalerClient(Protocol):
-    """The app scaler, as an ingress replica calls it (``handles.ScalerHandle``)."""
-
-    def decision(self, instance: str, seen: int, view: IngressView, wait_s: float) -> Any:
-        """Its ``Decision`` once it changes from (``instance``, ``seen``) or after ``wait_s``
-        (an awaitable); ``view`` is the caller's."""
-        ...
-
-
-class Follower:
-    """An ingress replica's side of the one decision: it asks the scaler for it (carrying
-    its own view), and its roster follows each decision (module doc)."""
-
-    def __init__(self, roster: Roster, lo: int, scaler: ScalerClient):
-        self.roster = roster
-        self.lo = lo
-        self.scaler = scaler
-        self.last: Decision | None = None
-        self.heard_at = -math.inf  # time.monotonic() of the last answer
-        self.failures = 0  # asks that failed (the scaler being replaced, say)
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run())
-
-    async def _run(self) -> None:
-        while True:
-            last = self.last
-            view = IngressView(self.roster.caller, self.roster.own_work())
-            instance, seen = (last.instance, last.seq) if last else ("", -1)
-            try:
-                decision = await self.scaler.decision(instance, seen, view, FOLLOW_WAIT_S)
-            except Exception as exc:  # noqa: BLE001 - the scaler is being replaced: keep the last
-                self.failures += 1
-                if self.failures == 1 or self.failures % 30 == 0:
-                    log.warning("elastic ranks: no decision from the scaler (%r); following "
-                                "the last one", exc)  # fmt: skip
-                await asyncio.sleep(FOLLOW_RETRY_S)
-                continue
-            self.heard_at = time.monotonic()
-            self.follow(decision)
-
-    def follow(self, decision: Decision) -> None:
-        """Every elastic rank as ``decision`` says: given work, no new work, or nothing."""
-        self.last = decision
-        for rank in range(self.lo, min(len(self.roster), len(decision.phases))):
-            self.roster.follow(rank, decision.phases[rank], decision.why[rank])
-
-    def info(self) -> dict[str, Any]:
-        if self.last is None:
-            wanted = list(range(self.lo))
-            return {"dp_min": self.lo, "dp_max": len(self.roster), "wanted": wanted,
-                    "decided_by": None, "decisions": []}  # fmt: skip
-        heard = time.monotonic() - self.heard_at
-        return {**self.last.info(time.time()), "heard_s": round(heard, 3)}

@@ -1,0 +1,116 @@
+"""The roster's background calls: load polls, the probe of a down rank, the look-up of a
+slow rank's replica, the hold of a wanted elastic rank, the wake of a starting one, and
+the hand-off's health poll. Each calls through ``Roster.ask`` (the gate, the book)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from kimi_encoder.load import Work
+
+from . import lifecycle
+from .calls import RankUnavailableError
+from .lifecycle import HEALTH, HOLD, POLL, PROBE, WAKE
+from .row import LIVE, PARKED, STARTING
+
+if TYPE_CHECKING:
+    from .roster import Roster
+
+log = logging.getLogger("ray.serve")
+
+PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
+HOLD_S = 5.0  # each hold call of a wanted elastic rank lasts this long, then another follows
+
+
+async def poll(roster: Roster, ranks: list[int]) -> None:
+    """A load report of each of ``ranks``; a miss is booked as one."""
+
+    async def one(rank: int) -> None:
+        with contextlib.suppress(Exception):  # booked: a missed report
+            await roster.ask(rank, POLL, roster.report_timeout_s)
+
+    await asyncio.gather(*(one(r) for r in ranks))
+
+
+async def any_answers(roster: Roster, timeout_s: float) -> bool:
+    """Whether a rank that is up answers its load report within ``timeout_s``; every
+    answer and failure is booked."""
+    ranks = sorted(roster.up())
+    tasks = [asyncio.ensure_future(roster.ask(r, HEALTH, timeout_s)) for r in ranks]
+    try:
+        for arrival in asyncio.as_completed(tasks, timeout=timeout_s):
+            try:
+                await arrival
+                return True
+            except Exception:  # noqa: BLE001 - that rank is down: ask the others
+                continue
+    except asyncio.TimeoutError:
+        pass
+    finally:
+        for task in tasks:
+            task.cancel()
+    return False
+
+
+async def look_up(roster: Roster, rank: int, replica: Any) -> None:
+    """A slow rank whose last replica no longer exists has failed."""
+    if await roster.replica_alive(rank, replica):
+        return
+    row = roster.rows[rank]
+    if row.is_down and row.slow and row.replica == replica:
+        why = f"its replica {replica} is gone"
+        roster.mark_down(RankUnavailableError(rank, why, replica), roster.clock())
+
+
+async def recover(roster: Roster, rank: int) -> None:
+    """While ``rank`` is down, probe it every cool-down until it answers."""
+    row = roster.rows[rank]
+    while (until := row.down_until) is not None:
+        await asyncio.sleep(max(0.0, until - roster.clock()))
+        if row.down_until is None:
+            return
+        if row.phase != LIVE:  # parked meanwhile: nothing to probe, it starts afresh
+            row.down_until = None
+            return
+        try:
+            await roster.ask(rank, PROBE, PROBE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - still down: another cool-down
+            if row.down_until is not None:
+                row.down_until = roster.clock() + roster.rules.cooldown_s
+
+
+async def hold(roster: Roster, rank: int) -> None:
+    """Keep one call open on a wanted elastic rank, so Serve keeps its replica however
+    long it has no work; each answer is a load report."""
+    while lifecycle.may_call(roster.rows, rank, HOLD, roster.holds) is None:
+        try:
+            await roster.ask(rank, HOLD, None, HOLD_S)
+        except Exception:  # noqa: BLE001 - booked; held again after a cool-down
+            await asyncio.sleep(roster.rules.cooldown_s)
+
+
+async def wake(roster: Roster, rank: int, timeout_s: float, failed: Callable[[int], None]):
+    """The call that starts a starting rank, routed for at most ``timeout_s``; the rank
+    is live once it answers, parked again (and ``failed(rank)``) if it does not."""
+    row, started = roster.rows[rank], roster.clock()
+    try:
+        with roster.dispatched(rank, Work()):
+            await roster.ask(rank, WAKE, timeout_s)
+    except Exception as exc:  # noqa: BLE001 - it did not start: the live ranks serve
+        if row.phase != STARTING:
+            return
+        if isinstance(exc, asyncio.TimeoutError):
+            why = f"no replica answered within start_timeout_s={timeout_s:g} s"
+        else:
+            why = f"its start failed ({type(exc).__name__}: {exc})"
+        serve_says = f"; Serve: {row.note}" if row.note else ""
+        log.warning("rank %d could not start: %s%s", rank, why, serve_says)
+        roster.set_phase(rank, PARKED, False, f"could not start: {why}{serve_says}")
+        failed(rank)
+        return
+    if row.phase == STARTING:
+        roster.set_phase(rank, LIVE, True, f"started in {roster.clock() - started:.1f} s")
