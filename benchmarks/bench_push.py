@@ -44,7 +44,6 @@ from .paths import (
     IMAGES_PER_PART,
     PARTS,
     Sink,
-    deploy_handoff,
     items,
     part_images,
     plain_zmq,
@@ -52,7 +51,22 @@ from .paths import (
     vllm_files,
     warm_up,
 )
-from .serving import K3_WIDTH, Http, free_port, server_failed, tmpfs, wide_checkpoint
+from .serving import (
+    K3_WIDTH,
+    Http,
+    app_args,
+    bind,
+    free_port,
+    server_failed,
+    tmpfs,
+    wide_checkpoint,
+)
+
+# The ingress polls the ranks' load reports when older than this: 50 ms by default, so
+# under load up to 20 polls a second per rank, whatever the request rate. Two paths at
+# different rates would share that time-driven CPU out differently per request; polled
+# once a second, the ingress's CPU per request is its work on the requests.
+LOAD_REPORT_MS = 1000
 
 SIDES = {"small": 448, "large": 896}
 FILES, PUSH = "vLLM files (/v1/encode, vllm_ec)", "vLLM push (/v1/encode, vllm_push)"
@@ -123,7 +137,7 @@ def app(ec_root: str) -> Iterator[tuple[Http, str, Sink, zmq.Context, str]]:
         port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
-            prefix = deploy_handoff(checkpoint, ec_root)
+            prefix = deploy(checkpoint, ec_root)
             yield Http(port), prefix, sink, context, f"127.0.0.1:{rx_port}"
         finally:
             serve.shutdown()
@@ -131,6 +145,27 @@ def app(ec_root: str) -> Iterator[tuple[Http, str, Sink, zmq.Context, str]]:
             receiver.close()
             sink.close()
             context.term()
+
+
+def deploy(checkpoint: Path, ec_root: str) -> str:
+    """``paths.deploy_handoff``'s app, its load reports polled every ``LOAD_REPORT_MS``."""
+    from ray import serve
+
+    args = app_args(
+        checkpoint=str(checkpoint),
+        dp_size=2,
+        device="cpu",
+        dtype="bfloat16",
+        preprocess_backend="cpu",
+        cost_model="patches",
+        calibration_grids=[],
+        request_timeout_s=600,
+        feature_cache_bytes=1 << 30,  # every image stays cached
+        load_report_interval_ms=LOAD_REPORT_MS,
+        ec_root=ec_root,
+    )
+    serve.run(bind(args), name=HANDOFF_APP, route_prefix=f"/{HANDOFF_APP}")
+    return f"/{HANDOFF_APP}"
 
 
 def sections(quick: bool) -> list[Section]:
@@ -159,7 +194,8 @@ def sections(quick: bool) -> list[Section]:
         measured = alternate(setups, repeats, rerun_if=server_failed)
     note = (
         f"Tiny tower, width {K3_WIDTH}, bfloat16, dp 2 on this machine's CPU, every image "
-        f"cached after a warm-up; requests of {IMAGES_PER_PART} JPEGs of {SIDES['small']} "
+        f"cached after a warm-up, load reports polled every {LOAD_REPORT_MS} ms; requests of "
+        f"{IMAGES_PER_PART} JPEGs of {SIDES['small']} "
         f"(small) or {SIDES['large']} px (large), {PARTS} of each round robin, {CLIENTS} "
         f"clients, closed loop; files onto a tmpfs `ec_root`, pushes to one receiver in the "
         f"benchmark's process (acknowledged before each answer); {window:g} s per cell, "
