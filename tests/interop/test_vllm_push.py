@@ -252,3 +252,43 @@ def test_producer_roles_are_refused():
     )
     with pytest.raises(ValueError, match="ec_role must be 'ec_consumer', got 'ec_both'"):
         ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+
+
+def test_an_item_with_other_rows_than_the_prompt_fails_the_request(consumer):
+    """A uuid reused for other content: the scheduler refuses it, nothing is loaded."""
+    import asyncio
+
+    from kimi_encoder.engines.ecpush import EcPusher
+
+    vllm = consumer()
+
+    async def push():
+        pusher = EcPusher(timeout_s=5)
+        try:
+            features = np.ones((8, 16), np.float32)
+            await pusher.push(f"tcp://{vllm.address}", "reused", features, "float32", "item 0")
+        finally:
+            pusher.close()
+
+    asyncio.run(push())
+    request = _request("reused-chat", ["reused"], [5])
+    deadline = time.monotonic() + 5
+    while vllm.scheduler.take_unavailable_requests() != {"reused-chat"}:
+        assert not vllm.scheduler.ensure_cache_available(request, 0)
+        assert time.monotonic() < deadline, "the request was not failed"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("key", ["wait_timeout_s", "staged_ttl_s"])
+def test_a_bad_extra_config_is_named(key):
+    config = VllmConfig(
+        ec_transfer_config=ECTransferConfig(
+            ec_connector="KimiEncoderConnector",
+            ec_connector_module_path=MODULE,
+            ec_role="ec_consumer",
+            ec_port=_free_port(),
+            ec_connector_extra_config={key: -1},
+        )
+    )
+    with pytest.raises(ValueError, match=rf"ec_connector_extra_config\.{key} must be a positive"):
+        ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
