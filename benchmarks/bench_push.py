@@ -2,9 +2,8 @@
 
     python -m benchmarks.bench_push [--quick]
 
-One run on the hand-off app (``paths.deploy_handoff``: the tiny tower at Kimi-K3's width
-7168, bfloat16, dp 2, every image cached after a warm-up), these cells alternated in the
-same repeats:
+One run on the hand-off app (the tiny tower at Kimi-K3's width 7168, bfloat16, dp 2,
+every image cached after a warm-up), these cells alternated in the same repeats:
 
 - vLLM files: ``/v1/encode`` with output kind ``vllm_ec``, written under an ``ec_root``
   on a tmpfs;
@@ -14,14 +13,19 @@ same repeats:
 - plain ZMQ PUSH/PULL on loopback of messages of one image's features (the size of one
   push), no server.
 
-Each served path with parts of small (448 px) and of large (896 px) JPEGs: the ingress's
-CPU per request through the two sizes is a line, CPU-ms per request whatever its size
-plus CPU-ms per MB of features, fitted per repeat (as ``bench_handoff --only cpu``). MB/s
-counts the feature bytes each path delivered (written, or acknowledged).
+Each served path with requests of small (448 px) and of large (896 px) JPEGs, all four
+cells at the same request rate: the ingress's CPU per request through the two sizes is a
+line, CPU-ms per request whatever its size plus CPU-ms per MB of features, fitted per
+repeat (as ``bench_handoff --only cpu``). At one rate for all, the CPU the ingress spends
+per second whatever it serves weighs the same on every request; closed loop, two paths
+of different speeds would share it out differently and tilt the line. MB/s (closed loop,
+large requests) counts the feature bytes each path delivered (written, or acknowledged).
+The app is ``paths.deploy_handoff``'s with its load reports polled once a second.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import dataclasses
 import json
@@ -48,7 +52,6 @@ from .paths import (
     part_images,
     plain_zmq,
     run_for,
-    vllm_files,
     warm_up,
 )
 from .serving import (
@@ -69,6 +72,7 @@ from .serving import (
 LOAD_REPORT_MS = 1000
 
 SIDES = {"small": 448, "large": 896}
+RATE = 20  # requests a second of the CPU line's cells: below what either path sustains
 FILES, PUSH = "vLLM files (/v1/encode, vllm_ec)", "vLLM push (/v1/encode, vllm_push)"
 
 
@@ -94,27 +98,54 @@ def with_cpu(run) -> Run:
     return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()))
 
 
-def pushes(client: Http, prefix: str, parts, to: str, seconds: float) -> tuple[float, float, int]:
-    """(MB/s, requests/s, requests) of ``vllm_push`` requests to the worker at ``to``; each
-    part's images keep their uuids, so the staging holds one copy of each."""
-    bodies = []
+def bodies(kind: str, parts, to: str) -> list[bytes]:
+    """``/v1/encode`` bodies of ``parts`` with output ``kind``; each part's images keep their
+    uuids, so the files (or the staged items) of a part replace the previous ones."""
+    out = []
     for p, images in enumerate(parts):
-        output = {"kind": "vllm_push", "uuids": [f"push-{p}-{i}" for i in range(len(images))]}
-        output["to"] = [to]
-        bodies.append(json.dumps({"items": items(images), "output": output}).encode())
-    acked = [0]
+        output = {"kind": kind, "uuids": [f"{kind}-{p}-{i}" for i in range(len(images))]}
+        if kind == "vllm_push":
+            output["to"] = [to]
+        out.append(json.dumps({"items": items(images), "output": output}).encode())
+    return out
+
+
+def delivered(client: Http, prefix: str, jobs: list[bytes], seconds: float, rate=None):
+    """(MB/s, requests/s, requests) of feature bytes written or acknowledged: closed loop
+    of ``CLIENTS`` senders, or with ``rate`` that many requests a second, spread over them
+    (each waits for its slot: a path that keeps up runs at exactly ``rate``)."""
+    done = [0]
     lock = threading.Lock()
 
     def send(body: bytes) -> None:
         answer, _ = client.post(f"{prefix}/v1/encode", body, "application/json")
         nbytes = sum(entry["bytes"] for entry in json.loads(answer)["items"])
         with lock:
-            acked[0] += nbytes
+            done[0] += nbytes
 
     start = time.perf_counter()
-    sent = run_for(send, bodies, CLIENTS, seconds)
+    if rate is None:
+        sent = run_for(send, jobs, CLIENTS, seconds)
+    else:
+        sent = paced(send, jobs, rate, seconds)
     elapsed = time.perf_counter() - start
-    return acked[0] / elapsed / 1e6, sent / elapsed, sent
+    return done[0] / elapsed / 1e6, sent / elapsed, sent
+
+
+def paced(send, jobs: list, rate: float, seconds: float) -> int:
+    """``send(job)`` at ``rate`` a second from ``CLIENTS`` threads for ``seconds``."""
+    start, total = time.perf_counter(), int(rate * seconds)
+
+    def client(k: int) -> int:
+        sent = 0
+        for i in range(k, total, CLIENTS):
+            time.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            send(jobs[i % len(jobs)])
+            sent += 1
+        return sent
+
+    with cf.ThreadPoolExecutor(CLIENTS) as pool:
+        return sum(pool.map(client, range(CLIENTS)))
 
 
 @contextlib.contextmanager
@@ -179,28 +210,34 @@ def sections(quick: bool) -> list[Section]:
         for images in parts.values():
             warm_up(client, prefix, sink, images)
         setups = {}
-        for size, images in parts.items():
-            setups[(FILES, size)] = lambda images=images: with_cpu(
-                lambda: vllm_files(client, prefix, images, window)
-            )
-            setups[(PUSH, size)] = lambda images=images: with_cpu(
-                lambda: pushes(client, prefix, images, to, window)
+        for size, images in parts.items():  # the CPU line: both paths at the same rate
+            for path, kind in ((FILES, "vllm_ec"), (PUSH, "vllm_push")):
+                jobs = bodies(kind, images, to)
+                setups[(path, size)] = lambda jobs=jobs: with_cpu(
+                    lambda: delivered(client, prefix, jobs, window, RATE)
+                )
+        for path, kind in ((FILES, "vllm_ec"), (PUSH, "vllm_push")):  # closed loop: MB/s
+            jobs = bodies(kind, parts["large"], to)
+            setups[(path, "closed")] = lambda jobs=jobs: with_cpu(
+                lambda: delivered(client, prefix, jobs, window)
             )
         # One push carries one large image's features: plain ZMQ sends messages of that size.
         one_image = image_bytes(client, prefix, parts["large"][0], to)
-        setups[("plain", "large")] = lambda: with_cpu(
+        setups[("plain", "closed")] = lambda: with_cpu(
             lambda: plain_zmq(context, sink, one_image, window)
         )
         measured = alternate(setups, repeats, rerun_if=server_failed)
     note = (
         f"Tiny tower, width {K3_WIDTH}, bfloat16, dp 2 on this machine's CPU, every image "
         f"cached after a warm-up, load reports polled every {LOAD_REPORT_MS} ms; requests of "
-        f"{IMAGES_PER_PART} JPEGs of {SIDES['small']} "
-        f"(small) or {SIDES['large']} px (large), {PARTS} of each round robin, {CLIENTS} "
-        f"clients, closed loop; files onto a tmpfs `ec_root`, pushes to one receiver in the "
-        f"benchmark's process (acknowledged before each answer); {window:g} s per cell, "
-        f"{repeats} repeats alternating the five cells (plain ZMQ: messages of one large "
-        "image's features, the size of one push): median (min–max)."
+        f"{IMAGES_PER_PART} JPEGs of {SIDES['small']} (small) or {SIDES['large']} px "
+        f"(large), {PARTS} of each round robin from {CLIENTS} clients; files onto a tmpfs "
+        "`ec_root`, pushes to one receiver in the benchmark's process (acknowledged before "
+        f"each answer). CPU line: every cell at {RATE} requests/s, so that CPU the ingress "
+        "spends per second (Serve's own upkeep) weighs the same on every request; MB/s: "
+        f"closed loop. {window:g} s per cell, {repeats} repeats alternating the seven cells "
+        "(plain ZMQ: messages of one large image's features, the size of one push): median "
+        "(min–max)."
     )
     return [
         Section(
@@ -235,11 +272,11 @@ def line_table(measured) -> str:
 
 
 def rate_table(measured, size: int) -> str:
-    """Large requests' MB/s on both paths beside plain ZMQ's, the same repeats."""
-    mb = {path: [r.mb_per_s for r in measured[(path, "large")]] for path in (FILES, PUSH)}
-    plain = [r.mb_per_s for r in measured[("plain", "large")]]
+    """Large requests' MB/s on both paths beside plain ZMQ's, closed loop, same repeats."""
+    mb = {path: [r.mb_per_s for r in measured[(path, "closed")]] for path in (FILES, PUSH)}
+    plain = [r.mb_per_s for r in measured[("plain", "closed")]]
     rows = [
-        [path, spread(v).fmt(0), spread([r.per_s for r in measured[(path, "large")]]).fmt(1)]
+        [path, spread(v).fmt(0), spread([r.per_s for r in measured[(path, "closed")]]).fmt(1)]
         for path, v in mb.items()
     ]
     rows += [
@@ -247,7 +284,7 @@ def rate_table(measured, size: int) -> str:
         ["push / files (MB/s)", ratio(mb[PUSH], mb[FILES]).fmt(2, "x"), ""],
         ["push / plain ZMQ (MB/s)", ratio(mb[PUSH], plain).fmt(2, "x"), ""],
     ]
-    return table(["large requests", "MB/s", "requests/s"], rows)
+    return table(["large requests, closed loop", "MB/s", "requests/s"], rows)
 
 
 def image_bytes(client: Http, prefix: str, images: list[bytes], to: str) -> int:
