@@ -199,9 +199,9 @@ def deploy(checkpoint: Path, ec_root: str) -> str:
     return f"/{HANDOFF_APP}"
 
 
-def sections(quick: bool) -> list[Section]:
+def sections(quick: bool, repeats: int | None = None) -> list[Section]:
     window = 3.0 if quick else 6.0
-    repeats = 3 if quick else 5
+    repeats = repeats or (3 if quick else 5)
     with (
         tempfile.TemporaryDirectory(dir=tmpfs()) as ec_root,
         app(ec_root) as (client, prefix, sink, context, to),
@@ -296,7 +296,9 @@ def image_bytes(client: Http, prefix: str, images: list[bytes], to: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return standalone(__doc__, lambda a: sections(a.quick), argv, arguments(__doc__))
+    parser = arguments(__doc__)
+    parser.add_argument("--repeats", type=int, help="repeats of every cell (default 5)")
+    return standalone(__doc__, lambda a: sections(a.quick, a.repeats), argv, parser)
 
 
 if __name__ == "__main__":
