@@ -291,3 +291,38 @@ def test_worker_ports_outside_the_range_are_named():
         worker_ports(65535, dp_index=0, tp_size=2)
     with pytest.raises(ValueError, match="set ec_buffer_size and staged_ttl_s above 0"):
         Staging(0, 1)
+
+
+def test_idle_sockets_beyond_the_bound_are_closed(receiver, monkeypatch):
+    monkeypatch.setattr("kimi_encoder.engines.ecpush.MAX_SOCKETS", 2)
+    monkeypatch.setattr("kimi_encoder.engines.ecpush.MAX_STATS", 2)
+    rxs = [receiver() for _ in range(3)]
+    array = np.ones((1, 4), np.float32)
+
+    async def push():
+        pusher = EcPusher(timeout_s=5)
+        try:
+            for rx in rxs:
+                await pusher.push(rx.address, "x", array, "float32", "item 0")
+            return list(pusher._sockets), pusher.info()
+        finally:
+            pusher.close()
+
+    sockets, info = run(push())
+    assert sockets == [rxs[1].address, rxs[2].address]  # the oldest idle one closed
+    assert list(info) == sorted([rxs[1].address, rxs[2].address])
+
+
+def test_a_scheduler_asking_again_holds_one_watch(receiver):
+    rx = receiver()
+    context = zmq.Context()
+    sock = context.socket(zmq.DEALER)
+    sock.connect(rx.address)
+    try:
+        for _ in range(5):  # asked again while the first waits: one answer, not five
+            sock.send_multipart([MAGIC, json.dumps({"op": "watch", "after": 0}).encode()])
+        assert sock.poll(5000)
+        sock.recv_multipart()
+        assert not sock.poll(1500)
+    finally:
+        context.destroy(linger=0)

@@ -41,6 +41,8 @@ import zmq.asyncio
 MAGIC = b"kimi-ec-push/1"
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 BUSY_RETRY_AFTER_S = 1
+MAX_SOCKETS = 64  # destinations a pusher keeps sockets to (idle ones beyond it are closed)
+MAX_STATS = 256  # destinations whose counts it keeps
 
 
 class EcPushError(ConnectionError):
@@ -117,6 +119,7 @@ class _Socket:
     slots: asyncio.Semaphore
     reader: asyncio.Task | None = None
     waiting: dict[int, asyncio.Future] = field(default_factory=dict)
+    users: int = 0  # pushes holding or waiting for one of its slots
 
 
 @dataclass
@@ -150,17 +153,22 @@ class EcPusher:
         """Push ``array`` (``(rows, hidden)``, the storage array of ``dtype``) as
         ``mm_hash`` to ``endpoint`` and wait for its acknowledgement; the bytes sent.
         ``what`` names the item in an error (``item 3 (uuid 'chat-7-image-3')``)."""
-        stats = self.stats.setdefault(endpoint, DestinationStats())
+        stats = self.stats.pop(endpoint, None) or DestinationStats()
+        self.stats[endpoint] = stats  # the most recent last
+        while len(self.stats) > MAX_STATS:
+            del self.stats[next(iter(self.stats))]
         deadline = time.monotonic() + self.timeout_s
-        entry = self._entry(endpoint)
         slots = self._global_slots()
         try:
             await self._acquire(slots, deadline, f"{self.max_in_flight} pushes of this rank")
+            entry = self._entry(endpoint)
+            entry.users += 1  # a socket is closed only while no push uses it
             try:
                 await self._acquire(
                     entry.slots, deadline, f"{self.max_per_destination} pushes to {endpoint}"
                 )
             except BaseException:
+                entry.users -= 1
                 slots.release()
                 raise
         except EcPushBusy as exc:
@@ -169,6 +177,7 @@ class EcPusher:
         try:
             return await self._send(endpoint, entry, stats, mm_hash, array, dtype, what, deadline)
         finally:
+            entry.users -= 1
             entry.slots.release()
             slots.release()
 
@@ -230,8 +239,11 @@ class EcPusher:
         return self._slots
 
     def _entry(self, endpoint: str) -> _Socket:
-        entry = self._sockets.get(endpoint)
-        if entry is None:
+        entry = self._sockets.pop(endpoint, None)
+        if entry is not None:
+            self._sockets[endpoint] = entry  # the most recent last
+        else:
+            self._close_idle(MAX_SOCKETS - 1)
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a peer never connected
             sock.setsockopt(zmq.IPV6, 1)
@@ -257,6 +269,16 @@ class EcPusher:
                 continue
             if waiter is not None and not waiter.done():
                 waiter.set_result(got)
+
+    def _close_idle(self, keep: int) -> None:
+        """Close the least recently used sockets without a push in flight, down to ``keep``."""
+        for endpoint in [e for e, entry in self._sockets.items() if not entry.users]:
+            if len(self._sockets) <= keep:
+                return
+            entry = self._sockets.pop(endpoint)
+            if entry.reader is not None:
+                entry.reader.cancel()
+            entry.socket.close(linger=0)
 
     def info(self) -> dict[str, dict[str, int]]:
         return {endpoint: stats.as_dict() for endpoint, stats in sorted(self.stats.items())}

@@ -157,6 +157,8 @@ class Receiver:
         except ValueError:
             header = None
         if isinstance(header, dict) and header.get("op") == "watch" and len(frames) == 3:
+            # One watch per scheduler: a later one (asked again) replaces it.
+            self._watches = [w for w in self._watches if w[0] != peer]
             self._watches.append((peer, int(header.get("after", 0)), time.monotonic()))
             return
         payload = frames[3].buffer if len(frames) == 4 else None
@@ -223,11 +225,12 @@ class Watcher:
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.IPV6, 1)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)  # no watches queued for a worker not there
             sock.connect(address)
             self._sockets.append(sock)
         self._after = [0] * len(self.addresses)
         self._epoch: list[str | None] = [None] * len(self.addresses)
-        self._asked_at = [0.0] * len(self.addresses)
+        self._asked_at: list[float | None] = [None] * len(self.addresses)
         # mm_hash -> rows, per worker
         self._staged: list[dict[str, int]] = [{} for _ in self.addresses]
         for index in range(len(self.addresses)):
@@ -235,7 +238,11 @@ class Watcher:
 
     def _ask(self, index: int) -> None:
         body = json.dumps({"op": "watch", "after": self._after[index]}).encode()
-        self._sockets[index].send_multipart([MAGIC, body])
+        try:
+            self._sockets[index].send_multipart([MAGIC, body], zmq.NOBLOCK)
+        except zmq.Again:  # not connected (yet): asked at the next drain, never blocking
+            self._asked_at[index] = None
+            return
         self._asked_at[index] = time.monotonic()
 
     def drain(self) -> None:
@@ -249,8 +256,9 @@ class Watcher:
                 if len(frames) == 2 and frames[0] == MAGIC:
                     self._apply(index, json.loads(frames[1]))
                     self._ask(index)
-            # A watch lost to a restarted worker is asked again.
-            if time.monotonic() - self._asked_at[index] > 10 * WATCH_HOLD_S + 5:
+            # Not asked yet (no connection then), or a watch lost to a restarted worker.
+            asked_at = self._asked_at[index]
+            if asked_at is None or time.monotonic() - asked_at > 10 * WATCH_HOLD_S + 5:
                 self._ask(index)
 
     def _apply(self, index: int, body: dict) -> None:
