@@ -1,7 +1,7 @@
 """Admission at the ingress: read the body, decode its envelope, gate modality, split,
 plan, limit.
 
-No ray here: everything that can refuse a request runs in this module, so a bad
+Ray-free: everything that can refuse a request runs in this module, so a bad
 request never reaches a rank. Pixels are never decoded here; images are planned
 from their headers alone.
 """

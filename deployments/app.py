@@ -65,7 +65,7 @@ def bind_app(
     # no matching replica spins unless it sets should_backoff.
     # Elastic ranks are the same deployments, each scaled between 0 and 1 replicas by
     # Serve's own autoscaler: the ingress decides which ranks it wants and sends the others
-    # no call, so they park; a call waiting for a parked rank starts it (scaling.py).
+    # no call, so they park; a call waiting for a parked rank starts it (ranks/scaler.py).
     model = args.model_as_run
     rank_options = args.ranks.serve_options.model_dump()
     ranks = [

@@ -49,8 +49,8 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -60,100 +60,24 @@ from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.decode_procs import DecodeProcesses
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.features import dtype_name, torch_dtype
-from kimi_encoder.items import EncoderInputError, EncoderItem
+from kimi_encoder.items import EncoderItem
 from kimi_encoder.load import Work
 
 from .args import BatchingArgs
+from .batching import (
+    NOT_CACHED,
+    BatchCounters,
+    Outstanding,
+    Queued,
+    StageClock,
+    Timing,
+    call_stages,
+    timed,
+    to_host,
+)
 from .ranks.records import LoadReport, Progress
 
 LOOK_AHEAD = 256  # queued images a batch is chosen from (the oldest always among them)
-
-
-class _NotCached:
-    """An image sent by digest whose features this rank's cache no longer holds: the
-    caller sends it again with its bytes."""
-
-    def __repr__(self) -> str:
-        return "NOT_CACHED"
-
-
-NOT_CACHED = _NotCached()
-
-
-@dataclass
-class _Timing:
-    """Milliseconds of one batch's stages, shared by the calls that had images in it."""
-
-    batch: int
-    started: float  # perf_counter when the drain took the batch
-    host_ms: float = 0.0  # longest preparation (decode, preprocessing) of its images
-    device_ms: float = 0.0  # handing the prepared pixels to the forward
-    forward_ms: float = 0.0  # tower + projector, cast to the feature dtypes
-    copy_ms: float = 0.0  # features to the host (overlaps the next batch's forward)
-
-
-@dataclass
-class _Queued:
-    item: EncoderItem
-    key: str | None
-    dtype: str  # feature dtype the features are delivered in
-    caller: str
-    call: int  # which encode call queued it
-    future: asyncio.Future
-    arrived: float
-    host: Future  # its preparation on the decode pool
-    waiters: int = 1  # calls awaiting it (a duplicate in flight joins)
-    timing: _Timing | None = None  # set when a batch takes it
-    forwarding: bool = False  # set when its batch's forward starts: past taking back
-
-
-@dataclass
-class BatchCounters:
-    calls: int = 0  # encode calls this rank took
-    answered: int = 0  # ... of which it has answered (the progress its load report shows)
-    items: int = 0  # images in them
-    patches: int = 0  # sum of t*h*w over those images
-    cache_hits: int = 0
-    by_digest: int = 0  # images sent without their bytes (the ingress expected a hit)
-    not_cached: int = 0  # ... of which this rank no longer held the features
-    joined_in_flight: int = 0  # same image already queued or running for another call
-    preprocessed: int = 0  # images decoded and preprocessed (misses only)
-    forwarded: int = 0  # images through the tower
-    dropped: int = 0  # queued images taken back because every call waiting went away
-    batches: int = 0
-    max_batch_images: int = 0
-    max_batch_calls: int = 0  # most distinct encode calls in one forward
-    forward_s: float = 0.0
-    # The forward thread's wall time minus its CPU time over the forwards (one span with
-    # forward_s): time it did not run, waiting for the GIL or a core (on a GPU, also
-    # blocked in a CUDA call that sleeps rather than spins).
-    forward_wait_s: float = 0.0
-    # Seconds summed over the images forwarded (queue: arrival to its batch's start; host:
-    # its decode and preprocessing on the decode pool) and over batches (device: pixels
-    # handed to the forward; copy: features to the host; store: ``keep``, into the cache).
-    queue_s: float = 0.0
-    host_s: float = 0.0
-    device_s: float = 0.0
-    copy_s: float = 0.0
-    store_s: float = 0.0
-
-
-@dataclass
-class _Outstanding:
-    by_caller: dict[str, Work] = field(default_factory=dict)
-
-    def add(self, caller: str, work: Work) -> None:
-        self.by_caller[caller] = self.by_caller.get(caller, Work()) + work
-
-    def remove(self, caller: str, work: Work) -> None:
-        left = self.by_caller[caller] - work
-        if left.images:
-            self.by_caller[caller] = left
-        else:
-            del self.by_caller[caller]
-
-    def total(self) -> Work:
-        return sum(self.by_caller.values(), start=Work())
 
 
 class RankBatcher:
@@ -204,9 +128,9 @@ class RankBatcher:
         self.cost_model, self.calibration = self._calibrate(calibration_grids)
         self.counters = BatchCounters()
         self.instance = uuid.uuid4().hex
-        self._outstanding = _Outstanding()
-        self._queue: deque[_Queued] = deque()
-        self._in_flight: dict[str, _Queued] = {}
+        self._outstanding = Outstanding()
+        self._queue: deque[Queued] = deque()
+        self._in_flight: dict[str, Queued] = {}
         self._arrived: asyncio.Event | None = None
         self._drain: asyncio.Task | None = None
 
@@ -231,8 +155,8 @@ class RankBatcher:
         self.counters.items += len(items)
         self.counters.patches += sum(item.num_patches for item in items)
         futures: list[asyncio.Future] = []
-        mine: list[_Queued] = []  # entries this call queued or joined
-        queued: list[_Queued] = []  # entries this call queued
+        mine: list[Queued] = []  # entries this call queued or joined
+        queued: list[Queued] = []  # entries this call queued
         loop = asyncio.get_running_loop()
         for item in items:
             key = self._key(item, feature_dtype)
@@ -255,10 +179,10 @@ class RankBatcher:
                 done.set_result(NOT_CACHED)
                 futures.append(done)
             else:
-                entry = _Queued(
+                entry = Queued(
                     item, key, feature_dtype, caller, call, loop.create_future(),
                     time.perf_counter(),
-                    host=self._decode_pool.submit(_timed, self._prepare, item),
+                    host=self._decode_pool.submit(timed, self._prepare, item),
                 )  # fmt: skip
                 if key is not None:
                     self._in_flight[key] = entry
@@ -276,14 +200,14 @@ class RankBatcher:
             self._abandon(mine)
             raise
         self.counters.answered += 1
-        return results, _call_stages([q for q in queued if q.timing is not None])
+        return results, call_stages([q for q in queued if q.timing is not None])
 
     def _key(self, item: EncoderItem, dtype: str) -> str | None:
         if not self.cache.max_bytes:
             return None
         return item_key(item, self.encoder.name, self.model_dtype, dtype)
 
-    def _abandon(self, entries: list[_Queued]) -> None:
+    def _abandon(self, entries: list[Queued]) -> None:
         """A call went away: take back its images that nobody else awaits and whose forward
         has not started (queued, or taken by a batch still waiting for their decode)."""
         for entry in entries:
@@ -355,7 +279,7 @@ class RankBatcher:
             if not self._queue:  # every waiting call went away meanwhile
                 continue
             batch = self._take()
-            timing = _Timing(self.counters.batches, time.perf_counter())
+            timing = Timing(self.counters.batches, time.perf_counter())
             for q in batch:
                 q.timing = timing
             self.counters.queue_s += sum(timing.started - q.arrived for q in batch)
@@ -382,7 +306,7 @@ class RankBatcher:
             self._deliveries.add(delivery)
             delivery.add_done_callback(self._deliveries.discard)
 
-    async def _deliver(self, batch: list[_Queued], copy: asyncio.Future) -> None:
+    async def _deliver(self, batch: list[Queued], copy: asyncio.Future) -> None:
         try:
             results = await copy
             if self._storer is not None:  # batches stay in order: one store thread
@@ -408,7 +332,7 @@ class RankBatcher:
             if not self._queue:
                 return
 
-    def _take(self) -> list[_Queued]:
+    def _take(self) -> list[Queued]:
         """The next batch: the oldest image and those the execution packs with it (the
         queue's head up to the budget; in the graphs mode, what fills a bucket best)."""
         ahead = itertools.islice(self._queue, LOOK_AHEAD)
@@ -418,13 +342,13 @@ class RankBatcher:
         self._queue = deque(q for i, q in enumerate(self._queue) if i not in chosen)
         return batch
 
-    def _device_stage(self, batch: list[_Queued], hosts: list, timing: _Timing) -> tuple:
+    def _device_stage(self, batch: list[Queued], hosts: list, timing: Timing) -> tuple:
         """Forward thread: hand each image's prepared pixels over (its own error), one
         forward for the rest, each one's features cast on the device to its dtype; returns
         them (or the errors) and, on a GPU, the event marking them done."""
         results: list = [None] * len(batch)
         good, pixels = [], []
-        clock = _StageClock(self.encoder.device)
+        clock = StageClock(self.encoder.device)
         for i, (q, host) in enumerate(zip(batch, hosts, strict=True)):
             if isinstance(host, BaseException):
                 results[i] = host
@@ -453,12 +377,12 @@ class RankBatcher:
         self.counters.device_s += timing.device_ms / 1e3
         return results, clock.marks[-1] if clock.cuda else None
 
-    def _copy_stage(self, on_device: list, done: Any, timing: _Timing) -> list:
+    def _copy_stage(self, on_device: list, done: Any, timing: Timing) -> list:
         """Copy thread: each image's features into a host buffer of its own (one copy), on
         this thread's CUDA stream after ``done``, while the forward thread goes on."""
         started = time.perf_counter()
         if done is None:
-            results = [_to_host(r) for r in on_device]
+            results = [to_host(r) for r in on_device]
         else:
             stream = self._copy_stream
             with torch.cuda.stream(stream):
@@ -466,7 +390,7 @@ class RankBatcher:
                 for r in on_device:
                     if isinstance(r, torch.Tensor):
                         r.record_stream(stream)  # not reused before this copy ends
-                results = [_to_host(r) for r in on_device]
+                results = [to_host(r) for r in on_device]
         timing.copy_ms = (time.perf_counter() - started) * 1e3
         self.counters.copy_s += timing.copy_ms / 1e3
         return results
@@ -487,7 +411,7 @@ class RankBatcher:
         except Exception as exc:  # noqa: BLE001 - e.g. a full object store: this image's error
             return exc
 
-    def _finish(self, batch: list[_Queued], results: list) -> None:
+    def _finish(self, batch: list[Queued], results: list) -> None:
         self.counters.batches += 1
         self.counters.forwarded += sum(not isinstance(r, BaseException) for r in results)
         self.counters.max_batch_images = max(self.counters.max_batch_images, len(batch))
@@ -508,63 +432,3 @@ class RankBatcher:
                 q.future.set_result(result)
         for caller, patches in by_caller.items():
             self._outstanding.remove(caller, Work.of(patches))
-
-
-class _StageClock:
-    """Milliseconds between marks: CUDA events on a GPU (no global synchronize; the
-    copies to the host wait for the forward anyway), wall time on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.marks: list = []
-        self.mark()
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def spans_ms(self) -> list[float]:
-        pairs = zip(self.marks, self.marks[1:], strict=False)
-        if self.cuda:
-            self.marks[-1].synchronize()
-            return [a.elapsed_time(b) for a, b in pairs]
-        return [(b - a) * 1e3 for a, b in pairs]
-
-
-def _timed(fn: Callable, *args: Any) -> tuple[Any, float]:
-    started = time.perf_counter()
-    return fn(*args), (time.perf_counter() - started) * 1e3
-
-
-def _to_host(result: Any) -> Any:
-    """An image's features (already in their dtype) in a host buffer of their own."""
-    if not isinstance(result, torch.Tensor):
-        return result  # its error
-    out = torch.empty(result.shape, dtype=result.dtype, device="cpu")
-    out.copy_(result)
-    return out
-
-
-def _call_stages(queued: list[_Queued]) -> dict[str, float]:
-    """One call's stages from the batches its images were in (each batch counted once)."""
-    timings = {q.timing.batch: (q, q.timing) for q in queued}.values()
-    return {
-        "queue_wait": max(((t.started - q.arrived) * 1e3 for q, t in timings), default=0.0),
-        "preprocess": sum(t.host_ms + t.device_ms for _, t in timings),
-        "forward": sum(t.forward_ms + t.copy_ms for _, t in timings),
-    }
-
-
-def raise_first_error(results: list, indices: Sequence[int]) -> list:
-    """The results, or the first item's error named by its request index."""
-    for index, result in zip(indices, results, strict=True):
-        if isinstance(result, EncoderInputError):
-            # type(result): a LimitExceededError stays one (413), with the culprit named.
-            raise type(result)(str(result), index) from None
-        if isinstance(result, BaseException):
-            raise result
-    return results

@@ -8,7 +8,7 @@ the rank that last encoded each repeated image (its cache holds it, unless its
 replica has been released since: ``Roster.generation``).
 
 Everything known of the ranks (their loads, reports, cost models, which take work)
-is the ``Roster``'s; the dispatcher only assigns.
+is the ``Roster``'s; the dispatcher only assigns. Ray-free.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import os
 import time
 from collections.abc import Awaitable, Collection, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -53,12 +53,12 @@ from kimi_encoder.engines.sglang import (
     EncodeRequest,
     ReceiverRegistry,
     ReceiveUrlRequest,
-    error_frames,
     error_target,
     load_images,
     push_frames,
     receive_endpoints,
 )
+from kimi_encoder.engines.sglang_frames import error_frames
 from kimi_encoder.engines.transport import Frame, ReceiveAddressRefused, ReceivePolicy, ZmqPusher
 from kimi_encoder.engines.vllm import EC_FILENAME, VLLM_VERSION
 from kimi_encoder.items import EncoderInputError
@@ -75,12 +75,14 @@ from .fanout import (
     RankUnavailableError,
     RequestTimeoutError,
 )
-from .metrics import RequestTrace
 from .ranks import tasks
 from .ranks.lifecycle import PUSH
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
 from .sinks import KEPT, EcDestination, PartPush, Written
+
+if TYPE_CHECKING:  # the request's trace is made by the ingress (metrics.py: Ray's metrics)
+    from .metrics import RequestTrace
 
 log = logging.getLogger("ray.serve")
 

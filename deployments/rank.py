@@ -23,7 +23,8 @@ from kimi_encoder.engines.vllm import write_ec_array
 from kimi_encoder.features import dtype_name, storage_dtype, to_numpy
 
 from .args import ModelArgs, RankArgs
-from .batcher import NOT_CACHED, RankBatcher, raise_first_error
+from .batcher import RankBatcher
+from .batching import NOT_CACHED, raise_first_error
 from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
 from .ranks.calls import EncodeCall
@@ -265,7 +266,7 @@ class EncoderRank:
     async def hold(self, seconds: float) -> LoadReport:
         """Answer the load report after ``seconds``: an elastic rank the ingress wants has
         one such call open at all times, which keeps Serve from releasing its replica
-        (deployments/scaling.py)."""
+        (deployments/ranks/scaler.py)."""
         await asyncio.sleep(seconds)
         return self.batcher.load()
 

@@ -25,7 +25,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kimi_encoder.engines.sglang import EncodeRequest, stored_embedding_frames
+from kimi_encoder.engines.sglang import EncodeRequest
+from kimi_encoder.engines.sglang_frames import stored_embedding_frames
 from kimi_encoder.engines.transport import Frame
 
 

@@ -57,7 +57,7 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace) -> int:
-    from .client import run_client  # no torch or model code: only HTTP
+    from .client_files import run_client  # no torch or model code: only HTTP
 
     out = Path(args.out)
     report = run_client(

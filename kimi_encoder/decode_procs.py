@@ -18,7 +18,7 @@ A result larger than the segment makes the worker ask for a larger one, and a se
 grown past ``retain_bytes`` is swapped for a fresh one of ``segment_bytes`` at the
 worker's next image. The encoded file and the small fields travel pickled.
 
-Start. A worker is a fresh interpreter (``python -m kimi_encoder.decode_procs``: fork
+Start. A worker is a fresh interpreter (``python -m kimi_encoder.decode_worker``: fork
 and exec at once, which is safe in a multithreaded process such as a Ray replica, as
 multiprocessing's spawn is, without spawn re-running the parent's main script) with
 one torch thread. The pool waits until every worker has answered once.
@@ -33,191 +33,24 @@ and exits.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
-import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from . import preprocess as pp
+from .decode_worker import Gone, Segment, recv_message, send_message, unpack
 from .items import DeferredPreprocessing
 
-_HEADER = struct.Struct("!Q")  # length of the pickled message that follows
-_ALIGN = 64  # arrays start on cache lines in a segment
-_MIB = 1 << 20
 MEMFD_NAME = "kimi-encoder-decode"  # how a segment shows in /proc/<pid>/fd and maps
+_MIB = 1 << 20
 
 
 class DecodeWorkerDied(RuntimeError):
     """The worker process decoding an image died before answering (killed, crashed)."""
-
-
-class _Gone(Exception):
-    """The worker's socket closed: it died (or the pool was closed under it)."""
-
-
-# --- messages and segments -------------------------------------------------------------
-
-
-def _send(sock: socket.socket, message: tuple) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(data)))
-    sock.sendall(data)
-
-
-def _recv(sock: socket.socket) -> tuple:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return pickle.loads(_recv_exact(sock, size))
-
-
-def _recv_exact(sock: socket.socket, size: int) -> bytearray:
-    buf = bytearray(size)
-    view = memoryview(buf)
-    got = 0
-    while got < size:
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError("the socket closed")
-        got += n
-    return buf
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-class _Segment:
-    """One anonymous shared-memory segment (a memfd) of ``size`` bytes, mapped here."""
-
-    def __init__(self, size: int, fd: int | None = None):
-        self.size = size
-        self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC) if fd is None else fd
-        try:
-            if fd is None:
-                os.ftruncate(self.fd, size)
-            self.map = mmap.mmap(self.fd, size)
-        except BaseException:
-            os.close(self.fd)
-            raise
-
-    def write(self, arrays: list[np.ndarray]) -> list[tuple[int, str, tuple[int, ...]]]:
-        """Each array copied in, one after the other; (offset, dtype, shape) of each."""
-        places, offset = [], 0
-        for array in arrays:
-            target = np.ndarray(array.shape, array.dtype, buffer=self.map, offset=offset)
-            np.copyto(target, array)
-            places.append((offset, array.dtype.str, array.shape))
-            offset = _aligned(offset + array.nbytes)
-        return places
-
-    def read(self, place: tuple[int, str, tuple[int, ...]]) -> np.ndarray:
-        """A copy of the array at ``place`` (the segment is written again next image)."""
-        offset, dtype, shape = place
-        view = np.ndarray(shape, np.dtype(dtype), buffer=self.map, offset=offset)
-        try:
-            return view.copy()
-        finally:
-            del view  # the map cannot close while a view of it lives
-
-    def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
-
-
-def _needed(arrays: list[np.ndarray]) -> int:
-    return sum(_aligned(array.nbytes) for array in arrays)
-
-
-def _pack(host: pp.HostStage) -> tuple[tuple, list[np.ndarray]]:
-    """``host_stage``'s output as (small fields, arrays)."""
-    if isinstance(host, pp.HostImage):
-        arrays = [host.pixels] + ([] if host.palette is None else [host.palette])
-        fields = ("image", host.mode, host.transparency, host.finished, host.palette is not None)
-        return fields, [np.ascontiguousarray(a) for a in arrays]
-    pixels, grid = host
-    return ("patches", grid), [pixels.contiguous().numpy()]
-
-
-def _unpack(fields: tuple, arrays: list[np.ndarray]) -> pp.HostStage:
-    if fields[0] == "image":
-        _, mode, transparency, finished, has_palette = fields
-        palette = arrays[1] if has_palette else None
-        return pp.HostImage(arrays[0], mode, palette, transparency, finished)
-    return torch.from_numpy(arrays[0]), fields[1]
-
-
-def _portable_error(exc: Exception) -> Exception:
-    """``exc`` if it survives pickling (the library's errors do), else a RuntimeError
-    naming it."""
-    try:
-        pickle.loads(pickle.dumps(exc))
-    except Exception:  # noqa: BLE001 - any exception that cannot cross processes
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-    return exc
-
-
-# --- the worker process ----------------------------------------------------------------
-
-
-class _WorkerLoop:
-    """What a worker process runs: messages in, answers out, until its socket closes."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self.segment: _Segment | None = None
-
-    def run(self) -> None:
-        try:
-            while True:
-                self._handle(_recv(self.sock))
-        except (EOFError, ConnectionError):
-            return  # the pool closed this socket (maybe mid-image), or its process died
-
-    def _handle(self, message: tuple) -> None:
-        kind = message[0]
-        if kind == "segment":
-            self._attach(message[1])
-        elif kind == "ping":
-            _send(self.sock, ("pong", os.getpid()))
-        elif kind == "job":
-            _send(self.sock, self._job(*message[1:]))
-        else:
-            raise ValueError(f"unknown message {kind!r}")
-
-    def _attach(self, size: int) -> None:
-        """Map the segment whose descriptor follows the message."""
-        _, fds, _, _ = socket.recv_fds(self.sock, 1, 1)
-        if self.segment is not None:
-            self.segment.close()
-        self.segment = _Segment(size, fds[0])
-
-    def _job(self, data: bytes, cfg: DeferredPreprocessing, patch: int) -> tuple:
-        try:
-            fields, arrays = _pack(pp.host_stage(data, cfg, patch))
-        except Exception as exc:  # noqa: BLE001 - the image's own error, answered as is
-            return ("error", _portable_error(exc))
-        need = _needed(arrays)
-        if self.segment is None or need > self.segment.size:
-            _send(self.sock, ("grow", need))
-            message = _recv(self.sock)
-            assert message[0] == "segment", message
-            self._attach(message[1])
-        return ("done", fields, self.segment.write(arrays))
-
-
-def serve(fd: int) -> None:
-    """A worker process's main: one torch thread; Ctrl-C is its parent's to handle."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    torch.set_num_threads(1)
-    _WorkerLoop(socket.socket(fileno=fd)).run()
 
 
 # --- the pool --------------------------------------------------------------------------
@@ -249,7 +82,7 @@ class _Worker:
     """One worker process, its socket and its segment (which outlives the process)."""
 
     def __init__(self, segment_bytes: int):
-        self.segment = _Segment(segment_bytes)
+        self.segment = Segment(segment_bytes)
         self.proc: subprocess.Popen | None = None
         self.sock: socket.socket | None = None
         self.holding = False  # an image was sent and its answer has not come
@@ -267,7 +100,7 @@ class _Worker:
         parent, child = socket.socketpair()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kimi_encoder.decode_procs", str(child.fileno())],
+                [sys.executable, "-m", "kimi_encoder.decode_worker", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 stdin=subprocess.DEVNULL,
                 env=_worker_env(),
@@ -281,13 +114,13 @@ class _Worker:
         self._send_segment()
 
     def _send_segment(self) -> None:
-        _send(self.sock, ("segment", self.segment.size))
+        send_message(self.sock, ("segment", self.segment.size))
         socket.send_fds(self.sock, [b"s"], [self.segment.fd])
 
     def new_segment(self, size: int) -> None:
         """A fresh segment of ``size`` bytes for this worker (the old one is freed when the
         worker maps the new one)."""
-        segment = _Segment(size)
+        segment = Segment(size)
         self.segment.close()
         self.segment = segment
         self._send_segment()
@@ -297,8 +130,8 @@ class _Worker:
         assert self.proc is not None, "ping before start"
         self.sock.settimeout(timeout_s)
         try:
-            _send(self.sock, ("ping",))
-            answer = _recv(self.sock)
+            send_message(self.sock, ("ping",))
+            answer = recv_message(self.sock)
         except TimeoutError:
             raise RuntimeError(
                 f"decode worker process {self.proc.pid} did not answer within {timeout_s:.0f} s "
@@ -325,24 +158,24 @@ class _Worker:
                 self.start()
             if self.segment.size > retain:
                 self.new_segment(fresh)
-            _send(self.sock, ("job", data, cfg, patch))
+            send_message(self.sock, ("job", data, cfg, patch))
         except OSError as exc:
-            raise _Gone() from exc
+            raise Gone() from exc
 
     def answer(self) -> pp.HostStage:
         """The answer to the image sent: its host-stage output, or its error raised."""
         try:
             while True:
-                message = _recv(self.sock)
+                message = recv_message(self.sock)
                 if message[0] != "grow":
                     break
                 self.new_segment(max(2 * self.segment.size, -(-message[1] // _MIB) * _MIB))
         except (EOFError, OSError) as exc:
-            raise _Gone() from exc
+            raise Gone() from exc
         if message[0] == "error":
             raise message[1]
         _, fields, places = message
-        return _unpack(fields, [self.segment.read(place) for place in places])
+        return unpack(fields, [self.segment.read(place) for place in places])
 
     def reap(self, timeout_s: float = 10.0) -> int | None:
         """The exit code of a process whose socket closed (killed if it lingers)."""
@@ -423,7 +256,7 @@ class DecodeProcesses:
                 self._changed.notify_all()
             try:
                 host = worker.answer()
-            except _Gone:
+            except Gone:
                 raise self._replace(worker) from None
             except Exception:
                 self._count("errors")
@@ -442,11 +275,11 @@ class DecodeProcesses:
         takes the image."""
         try:
             worker.send(data, cfg, patch, self.retain_bytes, self.segment_bytes)
-        except _Gone:
+        except Gone:
             error = self._replace(worker)
             try:
                 worker.send(data, cfg, patch, self.retain_bytes, self.segment_bytes)
-            except _Gone:
+            except Gone:
                 raise error from None
 
     def _take(self) -> _Worker:
@@ -529,7 +362,3 @@ class DecodeProcesses:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-if __name__ == "__main__":
-    serve(int(sys.argv[1]))

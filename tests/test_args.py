@@ -1,4 +1,4 @@
-"""Settings checked across sections of ``AppArgs`` (deployments/args.py), without Ray: an
+"""Settings checked across sections of ``AppArgs`` (deployments/args/), without Ray: an
 elastic GPU rank's start timeout against what its start needs."""
 
 from __future__ import annotations

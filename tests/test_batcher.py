@@ -20,7 +20,8 @@ import torch
 from images import gray_png, image_bytes
 
 from deployments.args import BatchingArgs
-from deployments.batcher import NOT_CACHED, RankBatcher
+from deployments.batcher import RankBatcher
+from deployments.batching import NOT_CACHED
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.execution import BucketRunner, Execution
 from kimi_encoder.items import EncoderInputError

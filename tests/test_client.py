@@ -18,16 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from kimi_encoder.client import (
-    EncodeError,
-    EncoderClient,
-    Progress,
-    RunReport,
-    _retry_after,
-    encode_files,
-    expand_inputs,
-    plan_sources,
-)
+from kimi_encoder.client import EncodeError, EncoderClient, _retry_after
+from kimi_encoder.client_files import Progress, RunReport, encode_files, expand_inputs, plan_sources
 
 
 class Scripted(BaseHTTPRequestHandler):

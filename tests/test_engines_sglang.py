@@ -29,11 +29,13 @@ from kimi_encoder.engines.sglang import (
     ReceiveUrlRequest,
     RegistryFull,
     deliver,
-    embedding_frames,
     error_body,
-    error_frames,
     error_target,
     load_images,
+)
+from kimi_encoder.engines.sglang_frames import (
+    embedding_frames,
+    error_frames,
     stored_embedding_frames,
 )
 from kimi_encoder.engines.transport import PushError, ZmqPusher, tcp_endpoint

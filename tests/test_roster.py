@@ -1,6 +1,6 @@
 """The roster without Ray: which ranks take work, their health, progress and lateness,
 on a clock the tests move by hand, over fake rank clients (tests/fakes.py); and elastic
-ranks (deployments/scaling.py): when the ingress wants more or fewer, how a rank starts,
+ranks (deployments/ranks/scaler.py): when the ingress wants more or fewer, how a rank starts,
 drains and parks, and what Serve's view of the replicas changes."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from deployments.ranks import report
 from deployments.ranks.calls import RankUnavailableError
 from deployments.ranks.clock import LoopClock
 from deployments.ranks.records import LoadReport, Progress
-from deployments.ranks.scaler import TICK_S, Elastic, Replicas, Scaler
+from deployments.ranks.rule import TICK_S, Scaler
+from deployments.ranks.scaler import Elastic, Replicas
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 

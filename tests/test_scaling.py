@@ -1,4 +1,4 @@
-"""One decision of the elastic ranks (deployments/scaling.py, deployments/decision.py),
+"""One decision of the elastic ranks (deployments/ranks/scaler.py, decision.py),
 without Ray: the scaler's view of the queued work (ranks' reports and ingress replicas'
 views, weighed by their age on a clock the test moves by hand), what a successor scaler
 wants, how a decision is asked for, and an ingress replica's roster following it."""
@@ -16,14 +16,8 @@ from deployments.ranks.decision import IngressView, Seen, queued_seconds, weight
 from deployments.ranks.follower import Follower
 from deployments.ranks.records import LoadReport, Progress
 from deployments.ranks.roster import Roster
-from deployments.ranks.scaler import (
-    REPORT_FRESH_S,
-    REPORT_STALE_S,
-    TICK_S,
-    Elastic,
-    NotReady,
-    Replicas,
-)
+from deployments.ranks.rule import TICK_S
+from deployments.ranks.scaler import REPORT_FRESH_S, REPORT_STALE_S, Elastic, NotReady, Replicas
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 

@@ -78,7 +78,10 @@ def imported(name: str, node: ast.Import | ast.ImportFrom, known: set[str]) -> s
         parts = target.split(".")
         out |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)} & known
     out.discard(name)
-    return out
+    # Its own packages are already being imported when a module runs (a package's
+    # __init__ importing its modules is no cycle).
+    parts = name.split(".")
+    return out - {".".join(parts[:i]) for i in range(1, len(parts))}
 
 
 def known_is_package(name: str, known: set[str]) -> bool:
@@ -142,8 +145,8 @@ def test_a_cycle_is_named(tmp_path):
     )
     (package / "d.py").write_text("from .c import thing\n")
     graph = import_graph(tmp_path, ("pkg",))
-    assert graph["pkg.b"] == {"pkg", "pkg.c"}
-    assert graph["pkg.c"] == {"pkg", "pkg.a"}  # not d (type checking), not a function's
+    assert graph["pkg.b"] == {"pkg.c"}  # pkg, its own package, is being imported already
+    assert graph["pkg.c"] == {"pkg.a"}  # not d (type checking), not a function's
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
     (package / "c.py").write_text("thing = 1\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
@@ -185,3 +188,110 @@ def test_benchmarks_import_no_other_benchmark_at_module_level():
         if name.split(".")[-1].startswith("bench_")
     }
     assert {name: edges for name, edges in crossing.items() if edges} == {}
+
+
+# --- the service's modules ---------------------------------------------------------------
+
+MAX_MODULE_LINES = 500  # kimi_encoder/ and deployments/
+MAX_WING_LINES = 350  # deployments/ranks/: small pieces of one concern each
+WING = ROOT / "deployments" / "ranks"
+SERVICE = sorted([*(ROOT / "kimi_encoder").rglob("*.py"), *(ROOT / "deployments").rglob("*.py")])
+
+
+@pytest.mark.parametrize("path", SERVICE, ids=lambda p: str(p.relative_to(ROOT)))
+def test_service_modules_stay_small(path):
+    bound = MAX_WING_LINES if WING in path.parents else MAX_MODULE_LINES
+    lines = len(path.read_text().splitlines())
+    assert lines <= bound, (
+        f"{path.relative_to(ROOT)} has {lines} lines (at most {bound}): split it by concern"
+    )
+
+
+def claims_ray_free(path: Path) -> bool:
+    """The modules that say they never import Ray: every one of the ranks wing, and those
+    whose docstring says "Ray-free"."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return WING in path.parents or "Ray-free" in doc
+
+
+def test_the_ray_free_claims_are_checked():
+    claimed = {module_name(p, ROOT) for p in SERVICE if claims_ray_free(p)}
+    assert {"deployments.fanout", "deployments.ranks.roster", "deployments.dispatch"} <= claimed
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in SERVICE if claims_ray_free(p)], ids=lambda p: str(p.relative_to(ROOT))
+)
+def test_a_module_that_claims_to_be_ray_free_imports_no_ray_even_through_others(path):
+    """No module-level import of ray in it, nor in any module of the tree it imports at
+    module level, and so on: the claim holds for what importing the module pulls in (a
+    function that imports ray where it runs in a replica says so itself)."""
+    graph = import_graph(ROOT, PACKAGES)
+    paths = modules(ROOT, PACKAGES)
+    seen, pending = set(), [module_name(path, ROOT)]
+    while pending:
+        name = pending.pop()
+        if name in seen or name not in paths:
+            continue
+        seen.add(name)
+        tree = ast.parse(paths[name].read_text())
+        rays = [
+            alias.name if isinstance(node, ast.Import) else node.module
+            for node in module_level_imports(tree)
+            for alias in node.names
+            if (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
+            == "ray"
+        ]
+        assert not rays, f"{path.relative_to(ROOT)} claims to be Ray-free; {name} imports {rays}"
+        pending += graph.get(name, ())
+
+
+# What a rank client answers (deployments/ranks/calls.py, RankClient).
+RANK_METHODS = {"encode", "load", "wake", "hold", "push", "info", "replica_alive"}
+
+
+def rank_calls(path: Path) -> list[str]:
+    """Calls of a rank client's methods made on something that reads as a rank (an item
+    of ``ranks`` or ``clients``, a roster's ``_clients``), and any reach into a roster's
+    clients: what only deployments/ranks/ may do."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr == "_clients":
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        if node.func.attr not in RANK_METHODS:
+            continue
+        target = node.func.value
+        if isinstance(target, ast.Subscript) and any(
+            word in ast.unparse(target.value) for word in ("ranks", "clients")
+        ):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_rank_call_outside_the_ranks_wing():
+    """Every rank call goes through the wing's roster (its gate, its book): a new caller
+    elsewhere (a metrics scrape, a hand-off) would call a rank Serve may stop and keep it.
+    handles.py is the client itself."""
+    outside = [
+        p
+        for p in sorted((ROOT / "deployments").rglob("*.py"))
+        if WING not in p.parents and p.name != "handles.py"
+    ]
+    assert len(outside) > 10
+    found = [call for path in outside for call in rank_calls(path)]
+    assert found == [], "rank calls outside deployments/ranks/:\n" + "\n".join(found)
+
+
+def test_the_rank_call_guard_catches_a_new_caller(tmp_path):
+    sneaky = tmp_path / "scrape.py"
+    sneaky.write_text(
+        "async def scrape(roster, ranks):\n"
+        "    await roster._clients[1].info()\n"
+        "    await ranks[2].load()\n"
+        "    await self.fanout.ranks[r].push(part, [])\n"
+        "    item = items[0].encode()\n"  # not a rank
+    )
+    found = rank_calls(sneaky)
+    assert sorted(line.split(":")[1] for line in found) == ["2", "2", "3", "4"]

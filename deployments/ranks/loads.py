@@ -24,7 +24,7 @@ def observe(row: Row, report: LoadReport, now: float, at: float) -> bool:
     when it shows progress.
 
     >>> from kimi_encoder.load import Work
-    >>> from deployments.records import Progress
+    >>> from deployments.ranks.records import Progress
     >>> row, busy = Row(), {"a": Work.of([4])}
     >>> observe(row, LoadReport(busy, CostModel.patches(), Progress("p", 1)), 1.0, 1.0)
     True

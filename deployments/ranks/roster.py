@@ -30,10 +30,10 @@ from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 
 from ..args import DispatchArgs
-from .records import LoadReport
 from . import health, lifecycle, loads, tasks
 from .calls import Call, RankClient, RankUnavailableError
 from .lifecycle import ENCODE, HEALTH, HOLD, INFO, POLL, PROBE, PUSH
+from .records import LoadReport
 from .row import LIVE, PARKED, STARTING, Clock, Row
 
 log = logging.getLogger("ray.serve")

@@ -35,10 +35,9 @@ from kimi_encoder.engines.sglang import (
     ReceiverRegistry,
     ReceiveUrlRequest,
     deliver,
-    embedding_frames,
-    error_frames,
     load_images,
 )
+from kimi_encoder.engines.sglang_frames import embedding_frames, error_frames
 from kimi_encoder.engines.transport import ZmqPusher
 from kimi_encoder.engines.vllm import write_ec_cache
 from kimi_encoder.items import plan_image
