@@ -14,6 +14,7 @@ from . import (
     bench_bytes,
     bench_bytes_haproxy,
     bench_cache,
+    bench_compile_cache,
     bench_decode,
     bench_elastic,
     bench_encoder,
@@ -22,6 +23,7 @@ from . import (
     bench_ingress,
     bench_latency,
     bench_memory,
+    bench_padding,
     bench_serve,
     bench_wire,
 )
@@ -43,6 +45,8 @@ MODULES = (
     bench_memory,
     bench_wire,
     bench_decode,
+    bench_compile_cache,
+    bench_padding,
 )
 
 INTRO = (

@@ -70,7 +70,7 @@ def cache_cell(info: dict) -> str:
     return f"{cache['hit']} / {cache['miss']}"
 
 
-def sections(quick: bool, presets: tuple[str, ...]) -> list[Section]:
+def sections(quick: bool, presets: tuple[str, ...] = ("tiny", "small")) -> list[Section]:
     repeats = 1 if quick else 3
     rows = []
     for preset in presets:

@@ -144,11 +144,14 @@ def batcher_window(
     return measure
 
 
-def padding_left(budgets: tuple[int, ...], clients: tuple[int, ...], requests: int, repeats: int):
+def padding_left(budgets: tuple[int, ...], clients: tuple[int, ...], images: int, repeats: int):
+    """Padding share per window for each budget and client count; every window sends about
+    ``images`` images in all (requests of 8 per client)."""
     rows = []
     for budget in budgets:
         encoder, runner = tiny_k3_encoder(budget)
         for n in clients:
+            requests = max(1, images // (8 * n))
             windows = {
                 rule: batcher_window(encoder, runner, rule, budget, n, requests)
                 for rule in ("head", "fill")
@@ -184,8 +187,8 @@ def sections(quick: bool) -> list[Section]:
         "one segment / eager",
         "max abs diff",
     ]
-    requests = 3 if quick else 6
-    left = padding_left((16384, 65536), (4, 16), requests, repeats)
+    images = 48 if quick else 128  # per window: 16 clients send one request each
+    left = padding_left((16384, 65536), (4, 16), images, repeats)
     return [
         Section(
             "Graph buckets on CPU: the cost of padding, and padding left by the batcher",
@@ -197,8 +200,8 @@ def sections(quick: bool) -> list[Section]:
                 "ratios per repeat.",
                 table(header, cost_rows),
                 f"Padding left: closed-loop clients of 8 images each (the mixed set: 448 x 448 "
-                f"and 1920 x 1080 photos, 1024 and 10764 patches, 2 large in every 8), "
-                f"{requests} requests per client per window, the tiny tower over the budget's "
+                f"and 1920 x 1080 photos, 1024 and 10764 patches, 2 large in every 8), about "
+                f"{images} images per window, the tiny tower over the budget's "
                 "buckets (halving down to 512) without capture, one torch thread; padding rows "
                 f"over real rows per window, {repeats} windows per rule alternating, median "
                 "(min–max). 'head': the queue's head up to the budget (the rule before); "
