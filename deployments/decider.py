@@ -39,7 +39,9 @@ class RankScaler:
         dp_min: int,
     ):
         clients = [RankHandle(r, h, dispatch.route_timeout_s) for r, h in enumerate(ranks)]
-        self.roster = Roster(clients, dispatch, clock=LoopClock(), fixed=dp_min)
+        self.roster = Roster(
+            clients, dispatch, clock=LoopClock(), fixed=dp_min, hold_s=scaling.hold_s
+        )
         by = serve.get_replica_context().replica_id.unique_id
         models = self.roster.fitted_models
         self.elastic = Elastic(

@@ -47,10 +47,9 @@ from .ranks.lifecycle import ENCODE
 from .ranks.records import RankReply
 from .ranks.roster import Roster
 from .sinks import Destination
+from .timing import RECHECK_S
 
 log = logging.getLogger("ray.serve")
-
-RECHECK_S = 0.1  # how often a request whose ranks are all down looks for one back
 
 
 class NoRankAvailableError(RuntimeError):

@@ -59,12 +59,11 @@ from .ranks.decision import IngressView
 from .ranks.records import RankReply
 from .ranks.scaler import Replicas
 from .sinks import PartPush
+from .timing import LOOKUP_TIMEOUT_S, SCALER_ANSWER_S
 
 log = logging.getLogger("ray.serve")
 
 SERVE_NAMESPACE = "serve"  # where Serve registers its replicas' actors by name
-LOOKUP_TIMEOUT_S = 2.0  # a registry slower than this says nothing: the replica counts as alive
-SCALER_ANSWER_S = 5.0  # past its wait, a scaler that has not answered is being replaced
 
 # ActorDiedError and ActorUnavailableError are RayActorErrors; OwnerDiedError (a rank's
 # features in the object store, gone with the rank) is an ObjectLostError.

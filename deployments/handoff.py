@@ -80,13 +80,13 @@ from .ranks.lifecycle import PUSH
 from .schemas import EcEntry, EcWriteResponse, Usage
 from .security import ApiKey
 from .sinks import KEPT, EcDestination, PartPush, Written
+from .timing import HEALTH_TIMEOUT_S
 
 if TYPE_CHECKING:  # the request's trace is made by the ingress (metrics.py: Ray's metrics)
     from .metrics import RequestTrace
 
 log = logging.getLogger("ray.serve")
 
-HEALTH_TIMEOUT_S = 1.0  # sglang's bootstrap server probes /health with a 2 s timeout
 # Kept out of the request timeout for pushing a failed part's error frame (at most 1/10).
 ERROR_GRACE_S = 1.0
 INFO_TIMEOUT_S = 10.0

@@ -37,9 +37,8 @@ from .ranks.follower import Follower
 from .ranks.roster import Roster
 from .schemas import ENCODE_OPENAPI, InfoResponse, document_request_models
 from .security import ApiKey
+from .timing import RANK_INFO_TIMEOUT_S
 from .wire import json_response, safetensors_response
-
-RANK_INFO_TIMEOUT_S = 10.0
 
 api = FastAPI(
     title="Kimi-K3 vision encoder",

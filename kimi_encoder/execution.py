@@ -69,6 +69,9 @@ PROBE_REPEATS = 3
 Run = Callable[[torch.Tensor, Sequence[Grid]], torch.Tensor]
 
 
+DEFAULT_BATCH_PATCHES = 16384  # a rank's batch budget (ranks.batching.max_batch_patches)
+
+
 def default_buckets(max_batch_patches: int) -> tuple[int, ...]:
     """Patch budgets of the captured graphs for a rank batching up to ``max_batch_patches``.
 
@@ -83,6 +86,16 @@ def default_buckets(max_batch_patches: int) -> tuple[int, ...]:
     while len(buckets) < MAX_BUCKETS and buckets[-1] // 2 >= MIN_BUCKET_PATCHES:
         buckets.append(buckets[-1] // 2)
     return tuple(sorted(buckets))
+
+
+def check_buckets(buckets) -> tuple[int, ...]:
+    """``buckets`` sorted and without repeats; refused unless every one holds a 2x2 image."""
+    if not buckets or min(buckets) < 4:
+        raise ValueError(
+            f"graph_buckets must be patch counts of at least 4 (one 2x2 image), got "
+            f"{list(buckets)}."
+        )
+    return tuple(sorted(set(buckets)))
 
 
 def check_mode(mode: str) -> str:
@@ -100,7 +113,7 @@ class ExecutionConfig:
 
     mode: str = "auto"
     # The rank derives them from its batch budget; a library encoder from the rank's default.
-    graph_buckets: tuple[int, ...] = default_buckets(16384)
+    graph_buckets: tuple[int, ...] = default_buckets(DEFAULT_BATCH_PATCHES)
     graph_max_images: int = 64  # cumulative-length slots of a bucket: images per graph
     auto_budget_s: float = 120.0
     # A rank's CPUs; None: this process's. Either way at most compiled.MAX_COMPILE_THREADS.
@@ -108,13 +121,7 @@ class ExecutionConfig:
 
     def __post_init__(self) -> None:
         check_mode(self.mode)
-        buckets = tuple(sorted(set(self.graph_buckets)))
-        object.__setattr__(self, "graph_buckets", buckets)
-        if not buckets or buckets[0] < 4:
-            raise ValueError(
-                f"graph_buckets must be patch counts of at least 4 (one 2x2 image), got "
-                f"{list(self.graph_buckets)}."
-            )
+        object.__setattr__(self, "graph_buckets", check_buckets(self.graph_buckets))
         if self.graph_max_images < 1:
             raise ValueError(f"graph_max_images must be at least 1, got {self.graph_max_images}.")
         if self.auto_budget_s < 0:

@@ -8,6 +8,7 @@ import struct
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from deployments.args import AppArgs
 from kimi_encoder.config import get_preset
@@ -120,3 +121,8 @@ def test_a_checkpoint_directory_is_priced_by_its_vision_bytes(tmp_path):
 )
 def test_a_start_timeout_that_covers_the_start_passes(args):
     AppArgs(**args)
+
+
+def test_report_ages_must_be_ordered():
+    with pytest.raises(ValidationError, match=r"scaling.report_stale_s \(2\) must be more than "):
+        AppArgs.model_validate({"scaling": {"report_fresh_s": 2, "report_stale_s": 2}})

@@ -17,7 +17,7 @@ from deployments.ranks import report
 from deployments.ranks.calls import RankUnavailableError
 from deployments.ranks.clock import LoopClock
 from deployments.ranks.records import LoadReport, Progress
-from deployments.ranks.rule import TICK_S, Scaler
+from deployments.ranks.rule import Scaler
 from deployments.ranks.scaler import Elastic, Replicas
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
@@ -278,9 +278,10 @@ def elastic(count: int = 3, lo: int = 1, **scaling):
 
 
 def run_for(driver: Elastic, clock: Clock, seconds: float) -> None:
-    """Scaling steps every ``TICK_S`` of the test's clock for ``seconds``."""
-    for _ in range(round(seconds / TICK_S)):
-        clock.now += TICK_S
+    """Scaling steps every ``scaling.tick_s`` of the test's clock for ``seconds``."""
+    tick = driver.config.tick_s
+    for _ in range(round(seconds / tick)):
+        clock.now += tick
         driver.step()
 
 

@@ -16,13 +16,17 @@ from deployments.ranks.decision import IngressView, Seen, queued_seconds, weight
 from deployments.ranks.follower import Follower
 from deployments.ranks.records import LoadReport, Progress
 from deployments.ranks.roster import Roster
-from deployments.ranks.rule import TICK_S
-from deployments.ranks.scaler import REPORT_FRESH_S, REPORT_STALE_S, Elastic, NotReady, Replicas
+from deployments.ranks.scaler import Elastic, NotReady, Replicas
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 
 MS = CostModel(0.0, 1e-3, 0.0)  # a patch costs a millisecond
 SCALING = ScalingArgs(target_queue_s=0.1, upscale_after_s=2.0, downscale_after_s=10.0)
+TICK_S, REPORT_FRESH_S, REPORT_STALE_S = (
+    SCALING.tick_s,
+    SCALING.report_fresh_s,
+    SCALING.report_stale_s,
+)
 
 
 def report(by_caller: dict[str, Work]) -> LoadReport:

@@ -18,12 +18,10 @@ from .handoff import EngineCallerArgs, HandoffArgs, VllmPushArgs
 from .ingress import BodyPace, IngressArgs, RequestLimits
 from .model import ImageUrlOptions, ModelArgs
 from .ranks import BatchingArgs, RankArgs
-from .scaling import LOOK_BACK_S, METRICS_INTERVAL_S, DpRange, ScalingArgs
+from .scaling import DpRange, ScalingArgs
 
 __all__ = [
     "GLIBC_TUNABLES",
-    "LOOK_BACK_S",
-    "METRICS_INTERVAL_S",
     "MOVED",
     "TUNABLE",
     "ActorOptions",

@@ -59,3 +59,23 @@ class DispatchArgs(Section):
         description="After an unavailable error (rank died, being replaced, queue full) the "
         "ingress sends a rank no work for this long, then tries it again.",
     )
+    probe_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="A down rank's probe (its load report, every cooldown_s) waits this long "
+        "for an answer before the rank stays down another cooldown_s; a replacement loading a "
+        "real checkpoint may need longer to answer its first call.",
+    )
+    report_answer_s: float = Field(
+        0.2,
+        gt=0,
+        description="A load poll that a replica has taken must answer within this (after "
+        "up to route_timeout_s of routing), or its rank counts as silent for that poll.",
+    )
+    report_outdated_s: float = Field(
+        1.0,
+        gt=0,
+        description="A rank's load report older than this is no view of it at all: a request "
+        "then waits (at most route_timeout_s + report_answer_s) for a fresh one before it "
+        "assigns its images; younger ones are used as they are while a poll runs behind.",
+    )

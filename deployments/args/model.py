@@ -7,11 +7,14 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from kimi_encoder.engines.media import FetchPolicy
-from kimi_encoder.execution import ExecutionConfig, check_mode, default_buckets
+from kimi_encoder.execution import ExecutionConfig, check_buckets, check_mode, default_buckets
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
 from kimi_encoder.items import resolve_backend
 
 from .base import Section
+
+# The library's execution defaults: the settings below read them (one home for each).
+LIBRARY = ExecutionConfig()
 
 
 class ImageUrlOptions(Section):
@@ -77,10 +80,12 @@ class ModelArgs(Section):
         "empty: ranks.batching.max_batch_patches halved down to 512, at most 8 budgets.",
     )
     graph_max_images: int = Field(
-        64, ge=1, description="Most images in one graph's batch; a batch with more runs eager."
+        LIBRARY.graph_max_images,
+        ge=1,
+        description="Most images in one graph's batch; a batch with more runs eager.",
     )
     auto_budget_s: float = Field(
-        120.0,
+        LIBRARY.auto_budget_s,
         ge=0,
         description="Seconds a CUDA rank's 'auto' may spend building (compiling, capturing, "
         "waiting for another rank's compile) and timing the modes at start; read between "
@@ -102,11 +107,8 @@ class ModelArgs(Section):
     @field_validator("graph_buckets")
     @classmethod
     def _bucket_sizes(cls, value: list[int]) -> list[int]:
-        bad = [n for n in value if n < 4]
-        if bad:
-            raise ValueError(
-                f"graph_buckets must be patch counts of at least 4 (one 2x2 image), got {bad}."
-            )
+        if value:  # empty: derived from the batch budget
+            check_buckets(value)  # raises the library's error
         return value
 
     def execution_config(

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from kimi_encoder.execution import DEFAULT_BATCH_PATCHES
+
 from .base import ActorOptions, Section, ServeOptions, part
 
 
@@ -15,7 +17,7 @@ class BatchingArgs(Section):
     model_config = ConfigDict(frozen=True)
 
     max_batch_patches: int = Field(
-        16384,
+        DEFAULT_BATCH_PATCHES,  # the library's, which its graph buckets follow
         ge=1,
         description="Patch budget of one forward on a rank: images of concurrent requests are "
         "batched up to it (an image larger than it runs alone).",

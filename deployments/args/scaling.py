@@ -6,6 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
+from ..timing import LOOK_BACK_S, METRICS_INTERVAL_S
 from .base import Section
 
 
@@ -27,7 +28,7 @@ class DpRange(Section):
 
 class ScalingArgs(Section):
     """How elastic ranks (``dp_size: {min, max}``) follow the load (deployments/ranks/scaler.py).
-    The ingress decides how many ranks it wants; Serve starts and releases their replicas.
+    The app's scaler decides how many ranks it wants; Serve starts and releases their replicas.
     Ignored with a fixed ``dp_size``."""
 
     # One rank's queue of this many seconds of work is what a closed loop of a few clients
@@ -58,6 +59,32 @@ class ScalingArgs(Section):
         "it has had no call for this long (Serve's downscale_to_zero_delay_s, after its "
         "look-back window).",
     )
+    tick_s: float = Field(
+        0.25,
+        gt=0,
+        description="How often the app's scaler samples the queued work (polling the wanted "
+        "ranks' load reports) and decides.",
+    )
+    hold_s: float = Field(
+        5.0,
+        gt=0,
+        description="Each wanted elastic rank has one call of the scaler open at all times, "
+        "answered after this long and sent again, so Serve never parks a rank the app "
+        "counts on; after a failed one the next waits dispatch.cooldown_s.",
+    )
+    report_fresh_s: float = Field(
+        2.0,
+        gt=0,
+        description="A rank's load report or an ingress replica's view of its dispatched work "
+        "counts whole for the scaler this long, then less and less (report_stale_s).",
+    )
+    report_stale_s: float = Field(
+        6.0,
+        gt=0,
+        description="... and not at all from this age on: a count nobody refreshed (a rank that "
+        "stopped answering, an ingress replica that died) holds no rank alive. More than "
+        "report_fresh_s.",
+    )
     start_timeout_s: float = Field(
         120.0,
         gt=0,
@@ -67,6 +94,16 @@ class ScalingArgs(Section):
         "on CUDA it must cover a start: model.auto_budget_s (none with execution 'eager') "
         "+ 60 s + the checkpoint's vision weights read at 100 MB/s.",
     )
+
+    @model_validator(mode="after")
+    def _ages_ordered(self) -> ScalingArgs:
+        if self.report_stale_s <= self.report_fresh_s:
+            raise ValueError(
+                f"scaling.report_stale_s ({self.report_stale_s:g}) must be more than "
+                f"scaling.report_fresh_s ({self.report_fresh_s:g}): a count is whole until it "
+                "is fresh_s old and worth nothing from stale_s on. Raise report_stale_s."
+            )
+        return self
 
     def autoscaling_config(self) -> dict[str, Any]:
         """Serve's autoscaling of an elastic rank: 0 or 1 replica, Serve's default policy.
@@ -86,8 +123,3 @@ class ScalingArgs(Section):
             "metrics_interval_s": METRICS_INTERVAL_S,
             "look_back_period_s": LOOK_BACK_S,
         }
-
-
-# Serve's defaults (10 s pushes, a 30 s window) would park an idle rank 40 s late.
-METRICS_INTERVAL_S = 1.0
-LOOK_BACK_S = 5.0

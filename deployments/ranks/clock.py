@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from ..timing import LOOP_TICK_S
 from .row import Clock
 
 
@@ -20,7 +21,7 @@ class LoopClock:
     no running loop (or before the first tick) it is plain monotonic time.
     """
 
-    def __init__(self, tick_s: float = 0.05, wall: Clock = time.monotonic):
+    def __init__(self, tick_s: float = LOOP_TICK_S, wall: Clock = time.monotonic):
         self.tick_s = tick_s
         self.wall = wall
         self.lag = 0.0  # seconds the ticker woke late, in all

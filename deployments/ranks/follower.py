@@ -10,13 +10,11 @@ import math
 import time
 from typing import Any, Protocol
 
+from ..timing import FOLLOW_RETRY_S, FOLLOW_WAIT_S
 from .decision import Decision, IngressView
 from .roster import Roster
 
 log = logging.getLogger("ray.serve")
-
-FOLLOW_WAIT_S = 1.0  # a follower's ask waits this long for a change: its view's refresh
-FOLLOW_RETRY_S = 0.5  # after an ask that failed
 
 
 class ScalerClient(Protocol):

@@ -29,7 +29,7 @@ from typing import Any
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
 
-from ..args import DispatchArgs
+from ..args import DispatchArgs, ScalingArgs
 from . import health, lifecycle, loads, tasks
 from .calls import Call, RankClient, RankUnavailableError
 from .lifecycle import ENCODE, HEALTH, HOLD, INFO, POLL, PROBE, PUSH
@@ -38,8 +38,6 @@ from .row import LIVE, PARKED, STARTING, Clock, Row
 
 log = logging.getLogger("ray.serve")
 
-REPORT_ANSWER_S = 0.2  # a routed load poll answers within this, or its rank is silent
-REPORT_OUTDATED_S = 1.0  # older than this a report is no view at all: a request waits for one
 MARKS = (HOLD, INFO, PUSH)  # calls whose failure (not a slow one) marks their rank down
 
 
@@ -58,6 +56,7 @@ class Roster:
         fixed: int | None = None,
         holds: bool = True,
         monotonic: Clock = time.monotonic,
+        hold_s: float | None = None,
     ):
         """``fixed``: how many ranks (the first ones) are always there; the others start
         parked (elastic ranks). None: all of them. ``holds``: this roster holds and wakes
@@ -69,9 +68,12 @@ class Roster:
         self.rules = health.Lateness.of(dispatch)
         self.report_interval_s = dispatch.load_report_interval_ms / 1e3
         # A poll may wait for routing as long as an encode call may, then must answer.
-        self.report_timeout_s = dispatch.route_timeout_s + REPORT_ANSWER_S
+        self.report_timeout_s = dispatch.route_timeout_s + dispatch.report_answer_s
+        self.report_outdated_s = dispatch.report_outdated_s
+        self.probe_timeout_s = dispatch.probe_timeout_s
         self.fixed = len(ranks) if fixed is None else fixed
         self.holds = holds
+        self.hold_s = ScalingArgs().hold_s if hold_s is None else hold_s  # scaling.hold_s
         fixed_ = [r < self.fixed for r in range(len(ranks))]
         self.rows = [Row(LIVE if f else PARKED, wanted=f, fixed=f) for f in fixed_]
         self._tasks: dict[tuple[str, int], asyncio.Task] = {}  # probes, look-ups, holds, wakes
@@ -187,7 +189,7 @@ class Roster:
     async def refresh(self) -> None:
         """Poll the ranks up whose last report is older than the interval (one poll at a
         time). A request waits for it only when some rank has no recent view at all (never
-        heard from, or not for ``REPORT_OUTDATED_S``), and then at most
+        heard from, or not for ``dispatch.report_outdated_s``), and then at most
         ``report_timeout_s``: a rank that misses it counts as silent. Every encode answer
         carries its rank's report too. An interval of 0 asks for exact loads instead: every
         request waits (as long) for a poll started after it arrived."""
@@ -199,7 +201,7 @@ class Roster:
         if self._poll is None or self._poll.done() or (exact and self._poll_started < now):
             self._poll_started = self.monotonic()
             self._poll = asyncio.get_running_loop().create_task(tasks.poll(self, stale))
-        outdated = loads.stale(self.rows, stale, now, REPORT_OUTDATED_S)
+        outdated = loads.stale(self.rows, stale, now, self.report_outdated_s)
         if exact or outdated:
             await asyncio.wait([self._poll], timeout=self.report_timeout_s)
 

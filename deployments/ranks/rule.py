@@ -1,7 +1,7 @@
 """How many ranks to want, from the work queued on them (pure: a rule over samples).
 
 The rule (``Scaler``, pure): sample the work queued on the ranks taking work, in
-seconds by their fitted cost model, every ``TICK_S``. Want more ranks when its mean
+seconds by their fitted cost model, every ``scaling.tick_s``. Want more ranks when its mean
 over ``scaling.upscale_after_s`` exceeds ``scaling.target_queue_s`` per wanted rank (as
 many as that work needs at the target, at least one more); one fewer when its mean
 over ``scaling.downscale_after_s`` would fit one rank fewer at half the target. Each
@@ -18,9 +18,7 @@ import statistics
 from collections import deque
 
 from ..args import ScalingArgs
-
-TICK_S = 0.25  # how often the queue is sampled and the decision taken
-DOWN_SHARE = 0.5  # one rank fewer must still be this far under the target: no flapping
+from ..timing import DOWN_SHARE
 
 
 class Scaler:

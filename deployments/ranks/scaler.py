@@ -57,18 +57,13 @@ from typing import Any, Protocol
 from kimi_encoder.cost import CostModel
 
 from ..args import ScalingArgs
+from ..timing import SYNC_S
 from .decision import Decision, IngressView, Seen, queued_seconds
 from .roster import Roster
 from .row import DRAINING, LIVE, PARKED, STARTING
-from .rule import TICK_S, Scaler
+from .rule import Scaler
 
 log = logging.getLogger("ray.serve")
-
-SYNC_S = 1.0  # how often Serve's view of the ranks' replicas is read
-# A load report or an ingress replica's view counts whole this long, then less, then not
-# at all (decision.weight): the scaler refreshes both every tick or second.
-REPORT_FRESH_S = 2.0
-REPORT_STALE_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -131,7 +126,7 @@ class Elastic:
                 log.exception("elastic ranks: Serve's view of the ranks is not readable yet")
                 await asyncio.sleep(SYNC_S)
         while True:
-            await asyncio.sleep(TICK_S)
+            await asyncio.sleep(self.config.tick_s)
             try:
                 await self.roster.refresh()
                 self.step()
@@ -179,7 +174,7 @@ class Elastic:
             for rank in takes:
                 if rank < len(view.own) and view.own[rank].images:
                     views[rank][view.caller] = Seen(view.own[rank], at)
-        fresh, stale = REPORT_FRESH_S, REPORT_STALE_S
+        fresh, stale = self.config.report_fresh_s, self.config.report_stale_s
         return queued_seconds(reports, views, model, now, fresh, stale)
 
     def step(self) -> None:
@@ -303,7 +298,7 @@ class Elastic:
         while not self.ready:
             if time.monotonic() - started >= wait_s:
                 raise NotReady("the scaler has not read Serve's view of the ranks yet")
-            await asyncio.sleep(TICK_S)
+            await asyncio.sleep(self.config.tick_s)
         if instance == self.instance and seen == self.seq:
             changed = self._changed
             with contextlib.suppress(asyncio.TimeoutError):

@@ -22,9 +22,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ray.serve")
 
-PROBE_TIMEOUT_S = 5.0  # a replacement rank may still be loading its model
-HOLD_S = 5.0  # each hold call of a wanted elastic rank lasts this long, then another follows
-
 
 async def poll(roster: Roster, ranks: list[int]) -> None:
     """A load report of each of ``ranks``; a miss is booked as one."""
@@ -77,7 +74,7 @@ async def recover(roster: Roster, rank: int) -> None:
             row.down_until = None
             return
         try:
-            await roster.ask(rank, PROBE, PROBE_TIMEOUT_S)
+            await roster.ask(rank, PROBE, roster.probe_timeout_s)
         except Exception:  # noqa: BLE001 - still down: another cool-down
             if row.down_until is not None:
                 row.down_until = roster.clock() + roster.rules.cooldown_s
@@ -88,7 +85,7 @@ async def hold(roster: Roster, rank: int) -> None:
     long it has no work; each answer is a load report."""
     while lifecycle.may_call(roster.rows, rank, HOLD, roster.holds) is None:
         try:
-            await roster.ask(rank, HOLD, None, HOLD_S)
+            await roster.ask(rank, HOLD, None, roster.hold_s)
         except Exception:  # noqa: BLE001 - booked; held again after a cool-down
             await asyncio.sleep(roster.rules.cooldown_s)
 

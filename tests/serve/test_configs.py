@@ -185,7 +185,7 @@ def test_cpu_config_fits_two_cores():
         ),
         (
             {"model": {"graph_buckets": [1024, 2]}},
-            r"graph_buckets must be patch counts of at least 4 \(one 2x2 image\), got \[2\]",
+            r"graph_buckets must be patch counts of at least 4 \(one 2x2 image\), got \[1024, 2\]",
         ),
         (
             {"model": {"graph_max_images": 0}},
