@@ -118,13 +118,6 @@ def serve_url() -> Iterator[str]:
         ray.shutdown()
 
 
-# Shared apps check features bit for bit against the in-process encoder, so a cache hit
-# (features from another batch) must not stand in, and owners follow the reference rule
-# (patch counts). The cache, fitted costs and batching have apps of their own
-# (test_throughput.py).
-REFERENCE_PATH = {"ranks": {"cache_bytes": 0}, "dispatch": {"cost_model": "patches"}}
-
-
 # name -> base URL of the `deploy` apps now running; emptied at the end of every module.
 _APPS: dict[str, str] = {}
 
@@ -151,7 +144,7 @@ def deploy(serve_url: str) -> Callable[..., str]:
     (an API key file, a short timeout, ...), shared under ``name`` by the module's tests.
     """
     from ray import serve
-    from serve_helpers import app_args
+    from serve_helpers import REFERENCE_PATH, app_args
 
     from deployments.app import bind_app
 

@@ -58,6 +58,12 @@ IMAGE_SPECS = [
     ("P", (56, 56), 9, "PNG"),
 ]
 
+# Shared apps check features bit for bit against the in-process encoder, so a cache hit
+# (features from another batch) must not stand in, and owners follow the reference rule
+# (patch counts). The cache, fitted costs and batching have apps of their own
+# (test_throughput.py).
+REFERENCE_PATH = {"ranks": {"cache_bytes": 0}, "dispatch": {"cost_model": "patches"}}
+
 
 def merged(base: dict, top: dict) -> dict:
     """``top`` over ``base``, key by key at every depth (a config's nested args)."""

@@ -33,6 +33,7 @@ from deployments.app import bind_app
 from deployments.errors import ERRORS
 from deployments.fanout import NoRankAvailableError, RequestTimeoutError
 from deployments.security import UnauthorizedError
+from kimi_encoder.engines.ecpush import EcPushError
 from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull
 from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
@@ -71,7 +72,12 @@ def url(serve_url, board, tmp_path_factory):
         # poll beside a case's own calls would take the place its next call needs. One
         # ingress and one rank: every answer carries the rank's report anyway.
         dispatch={"cooldown_s": 0.5, "load_report_interval_ms": 60_000},
-        handoff={"wait_s": 1, "send_timeout_s": 1, "max_pending": 1},
+        handoff={
+            "wait_s": 1,
+            "send_timeout_s": 1,
+            "max_pending": 1,
+            "vllm_push": {"ack_timeout_s": 1},
+        },
     )
     serve.run(bind_app(args, controlled_factory(board)), name=APP, route_prefix=f"/{APP}")
     yield f"{serve_url}/{APP}"
@@ -212,6 +218,14 @@ def push_to_nobody(url: str, board) -> requests.Response:
     return requests.post(f"{url}/encode", headers=AUTH, json=part("gone", port), timeout=60)
 
 
+def vllm_push_to_nobody(url: str, board) -> requests.Response:
+    """A vllm_push whose worker address has nothing listening: no acknowledgement within
+    handoff.vllm_push.ack_timeout_s, a 503 naming the item and the worker."""
+    output = {"kind": "vllm_push", "uuids": ["nobody-0"], "to": [f"127.0.0.1:{free_port()}"]}
+    body = {"items": [{"type": "image", "image": b64(IMAGE)}], "output": output}
+    return post(url, json=body)
+
+
 def registry_full(url: str, board) -> requests.Response:
     """handoff.max_pending=1: a part with one of its two ranks registered holds the only
     entry, so another part's registration is refused; then the first part completes."""
@@ -256,6 +270,7 @@ CASES = {
     NoRankAvailableError: past_the_queue,
     RequestTimeoutError: held_past_the_timeout,
     PushError: push_to_nobody,
+    EcPushError: vllm_push_to_nobody,
     RegistryFull: registry_full,
     ReceiveTimeout: nobody_registers,
     RuntimeError: failing_forward,  # no row: any other exception is an internal error

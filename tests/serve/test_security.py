@@ -1,22 +1,27 @@
 """API key, request timeout and the default bind address, over real HTTP.
 
 One app of its own ("strict": 1 rank, an API key file, request_timeout_s=1)
-serves both: every encode here sends the key.
+serves both: every encode here sends the key. Its rank's forwards run normally unless
+a test holds them (tests/controlled.py), so the timeout is reached by holding, not by
+hoping the machine is slow.
 """
 
 from __future__ import annotations
 
-import io
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 import requests
 import yaml
+from controlled import Switchboard, controlled_factory
 from images import image_bytes
-from PIL import Image
-from serve_helpers import b64, encode, replica_pids
+from ray import serve
+from serve_helpers import REFERENCE_PATH, app_args, b64, encode, replica_pids
+
+from deployments.app import bind_app
 
 GOOD = image_bytes("RGB", (64, 48), seed=1)
 
@@ -29,12 +34,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def strict(deploy, tmp_path_factory) -> str:
+def board(serve_url):
+    return Switchboard.remote()
+
+
+@pytest.fixture(scope="module")
+def strict(serve_url, board, tmp_path_factory) -> Iterator[str]:
     key_file = tmp_path_factory.mktemp("secret") / "api-key"
     key_file.write_text(KEY + "\n")
-    return deploy(
-        1,
-        "strict",
+    args = app_args(
+        REFERENCE_PATH,
+        dp_size=1,
         ingress={
             "api_key_file": str(key_file),
             "request_timeout_s": TIMEOUT_S,
@@ -42,6 +52,9 @@ def strict(deploy, tmp_path_factory) -> str:
         },
         handoff={"engine_callers": {"networks": []}},
     )
+    serve.run(bind_app(args, controlled_factory(board)), name="strict", route_prefix="/strict")
+    yield f"{serve_url}/strict"
+    serve.delete("strict")
 
 
 def auth(key: str = KEY) -> dict:
@@ -100,20 +113,18 @@ def test_the_key_opens_and_healthz_stays_open(strict):
     assert response.status_code == 401
 
 
-def flat_png(side: int, shade: int) -> bytes:
-    out = io.BytesIO()
-    Image.new("RGB", (side, side), (shade, 255 - shade, 90)).save(out, "PNG")
-    return out.getvalue()
-
-
-def test_request_timeout_gives_504_and_the_rank_recovers(strict):
-    """40 images of 1000x1000 take the rank a few seconds: 504 after ~1 s, naming the limit."""
+def test_request_timeout_gives_504_and_the_rank_recovers(strict, board):
+    """The rank's forward held past request_timeout_s: 504 at the deadline, naming the
+    limit; released, the rank serves again, the same process."""
     pids = replica_pids(strict, "strict", auth())
-    heavy = [{"type": "image", "image": b64(flat_png(1000, s))} for s in range(40)]
+    ray.get(board.set.remote(0, "hold"))
     started = time.perf_counter()
-    response = requests.post(
-        f"{strict}/v1/encode", json={"items": heavy}, headers=auth(), timeout=60
-    )
+    try:
+        response = requests.post(
+            f"{strict}/v1/encode", json=small_body(), headers=auth(), timeout=60
+        )
+    finally:
+        ray.get(board.set.remote(0, "run"))
     elapsed = time.perf_counter() - started
     assert response.status_code == 504, response.text[:300]
     error = response.json()["error"]
