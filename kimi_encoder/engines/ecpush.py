@@ -38,8 +38,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from ..features import FEATURE_DTYPES, STORAGE
+
 MAGIC = b"kimi-ec-push/1"
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {name: STORAGE[name].itemsize for name in FEATURE_DTYPES}  # bytes per element
 BUSY_RETRY_AFTER_S = 1
 MAX_SOCKETS = 64  # destinations a pusher keeps sockets to (idle ones beyond it are closed)
 MAX_STATS = 256  # destinations whose counts it keeps

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 import zmq
 
+from ..features import FEATURE_DTYPES, torch_dtype
 from .ecpush import BUSY_RETRY_AFTER_S, MAGIC, check_put, reply
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: torch_dtype(name) for name in FEATURE_DTYPES}
 WATCH_HOLD_S = 0.5  # a watch with nothing new is answered after this (liveness)
 POLL_MS = 50
 MAX_EVENTS = 4096  # events a worker remembers for watchers behind it
