@@ -10,7 +10,7 @@ response's features are checked against the in-process ``VisionEncoder``'s
 features of *its own* images: same grid, same shape, and a digest of the
 features rounded to ``DIGITS`` decimals, falling back to ``atol`` when a
 value sits on a rounding edge (batched and cached features may differ from
-one-image encodes in the last bits; tests/test_encoder.py bounds that at 1e-5).
+one-image encodes in the last bits; tests/kimi_encoder/test_encoder.py bounds that at 1e-5).
 
 Counted per request: ``ok``; ``wrong`` (a 200 whose features or grids are not
 its images'); ``lost`` (no answer: connection error or client timeout);

@@ -21,7 +21,7 @@ Sections, each under its own deadline within the run's budget (``common.Report``
 
 - correctness: ``pytest -m cuda`` over the test files holding CUDA tests (the checks
   of the float32, bfloat16, batch-invariance, attention-kernel and preprocessing
-  paths live there, tests/test_cuda_checks.py among them); its log goes to
+  paths live there, tests/kimi_encoder/test_cuda_checks.py among them); its log goes to
   ``pytest_cuda.txt``;
 - tower: the bf16 matmul ceiling, then the tower's TFLOP/s on batch mixes;
 - preprocess: decode + preprocess, both backends, one image per call;

@@ -6,7 +6,8 @@ import, see benchmarks/served.py):
 
     PYTHONUNBUFFERED=1 python3 benchmarks/gpu_served.py --out "$OUT"
 
-CI runs the same sections on CPU with the tiny preset and a local Ray (tests/test_gpu_served.py):
+CI runs the same sections on CPU with the tiny preset and a local Ray
+(tests/serve/test_gpu_served.py):
 
     python benchmarks/gpu_served.py --cpu-smoke --out /tmp/gs
 

@@ -20,12 +20,27 @@ from images import image_bytes
 
 from kimi_encoder.encoder import VisionEncoder
 
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).resolve().parent
 
 # Ray, Serve and the deployments are imported by the fixtures that start them: the CUDA
 # tests run on machines without Ray.
 
 ORACLE = TESTS / "data" / "oracle-k3"
+
+# Markers by folder: the layout says what a test needs (tests/serve/ a real Ray Serve app,
+# tests/chaos/ faults under load), so no module marks itself and none can forget to.
+FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        if TESTS not in path.parents:
+            continue
+        folder = path.relative_to(TESTS).parts[0]
+        if folder in FOLDER_MARKERS:
+            item.add_marker(FOLDER_MARKERS[folder])
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 """The settings table of docs/api.md, made from the fields themselves: every leaf of
 ``AppArgs`` one row, its default and its description. ``python -m deployments.args.table``
-writes it between the table's markers in docs/api.md; tests/test_args_table.py fails when
-the page and the fields disagree."""
+writes it between the table's markers in docs/api.md;
+tests/deployments/args/test_args_table.py fails when the page and the fields disagree."""
 
 from __future__ import annotations
 

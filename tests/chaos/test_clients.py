@@ -30,8 +30,6 @@ from chaos.load import Load, pool, summary
 from deployments.app import bind_app
 from deployments.args import BodyPace, RequestLimits
 
-pytestmark = pytest.mark.chaos
-
 SLOW_CONNECTIONS = 100
 BODY_GRACE_S = BodyPace().grace_s  # the chaos apps keep it
 DEFAULT_LIMITS = {"ingress": {"limits": RequestLimits().model_dump()}}

@@ -22,8 +22,6 @@ from serve_helpers import app_args, replica_actor, replica_actors, served, wait_
 
 from chaos.load import Load, summary, wait_rejoined
 
-pytestmark = pytest.mark.chaos
-
 APP = "chaos_elastic"
 RUN_S = 20  # load around the fault
 REJOIN_BOUND_S = 120  # as tests/chaos/test_ranks.py: a replacement's start on a busy core

@@ -29,8 +29,6 @@ from serve_helpers import app_args, b64, data_url, read_part, replica_actor, ser
 from chaos.load import pool
 from kimi_encoder.engines.vllm import EC_FILENAME, EC_KEY
 
-pytestmark = pytest.mark.chaos
-
 APP = "chaos_handoff"
 CLIENTS = 4
 ANSWERS = 12  # before the kill, and again after it

@@ -21,8 +21,6 @@ from serve_helpers import app_args, b64, replica_actor, replica_actor_name
 from chaos.load import Load, summary, wait_rejoined
 from deployments.app import bind_app
 
-pytestmark = pytest.mark.chaos
-
 APP = "chaos_ranks"
 RUN_S = 30  # load around each fault
 # A replaced or resumed rank takes work again within this. Quiet machine: 14-22 s

@@ -22,8 +22,6 @@ from serve_helpers import b64, decode_features, encode, one_thread
 
 from deployments.ranks.calls import EncodeCall
 
-pytestmark = pytest.mark.serve
-
 
 @pytest.fixture(scope="module")
 def url(deploy) -> str:

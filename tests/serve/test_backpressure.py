@@ -18,8 +18,6 @@ from serve_helpers import app_args, b64, decode_features, one_thread
 
 from deployments.app import bind_app
 
-pytestmark = pytest.mark.serve
-
 APP = "bp"
 BUDGET = 300_000  # bytes: one 2-image call of these sizes fits, two do not
 BURST = 16

@@ -22,8 +22,6 @@ from serve_helpers import LIMITS, b64, decode_features, encode, one_thread, rank
 
 from kimi_encoder.items import MSG_IMAGE_ONLY, MSG_LENGTH
 
-pytestmark = pytest.mark.serve
-
 GOOD = image_bytes("RGB", (64, 48), seed=1)
 PNG = image_bytes("RGBA", (96, 64), seed=2)
 JPEG = image_bytes("RGB", (96, 64), seed=3, fmt="JPEG")

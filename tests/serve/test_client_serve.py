@@ -19,8 +19,6 @@ from images import image_bytes
 from safetensors import safe_open
 from serve_helpers import b64, decode_features, encode
 
-pytestmark = pytest.mark.serve
-
 KINDS = ("RGB", "RGBA", "P", "JPEG", "L")
 
 

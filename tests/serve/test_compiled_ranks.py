@@ -4,11 +4,8 @@ eager in-process encoder, over real HTTP; each rank's mode in /v1/info."""
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import requests
 from serve_helpers import b64, decode_features, encode, one_thread
-
-pytestmark = pytest.mark.serve
 
 
 def test_compiled_ranks_answer_the_eager_features(deploy, images, reference):

@@ -35,8 +35,6 @@ from serve_helpers import (
     wait_for,
 )
 
-pytestmark = pytest.mark.serve
-
 APP = "elastic"
 CLIENTS = 16
 UP_WITHIN_S = 60.0

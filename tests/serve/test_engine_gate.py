@@ -6,8 +6,8 @@ them is refused before its body is read; behind Serve's HAProxy ingress
 (``RAY_SERVE_ENABLE_HA_PROXY=1``), which passes no caller address, every keyless call is
 refused. Everywhere: the key opens every route, /v1/* needs it, a forwarded address is
 never trusted, and a refused call encodes and pushes nothing. IPv6 and IPv4-mapped peers
-are covered on the gate itself (tests/test_engine_gate.py) and by the interop service,
-whose proxy listens on '::' (tests/interop).
+are covered on the gate itself (tests/deployments/test_engine_gate_rules.py) and by the
+interop service, whose proxy listens on '::' (tests/interop).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from serve_helpers import app_args, data_url, served
 from serve_helpers import sglang_part as part
 
 from deployments.engine_gate import behind_haproxy
-
-pytestmark = pytest.mark.serve
 
 KEY = "gate-key-5d1e0a77"
 HAPROXY = behind_haproxy()  # the pass this module runs in (Serve reads the same variable)

@@ -38,8 +38,6 @@ from kimi_encoder.engines.sglang import ReceiveTimeout, RegistryFull
 from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
-pytestmark = pytest.mark.serve
-
 APP = "errors"
 KEY = "table-walk-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -25,8 +25,6 @@ from serve_helpers import app_args, b64, decode_features, one_thread, replica_ac
 
 from deployments.app import bind_app
 
-pytestmark = pytest.mark.serve
-
 FAULTS_APP = "faults"
 # Graceful: the shutdown test deletes this app while a request runs.
 OPTIONS = {

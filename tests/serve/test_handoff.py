@@ -41,8 +41,6 @@ from serve_helpers import sglang_part as part
 
 from kimi_encoder.items import MSG_IMAGE_ONLY
 
-pytestmark = pytest.mark.serve
-
 APP, BF16_APP, CLOSED_APP = "handoff", "handoff_bf16", "handoff_closed"
 # Features compared bit for bit: no cache, owners by patch count (no calibration).
 REFERENCE_PATH = {

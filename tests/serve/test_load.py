@@ -7,11 +7,7 @@ against the in-process features of its own images.
 
 from __future__ import annotations
 
-import pytest
-
 from benchmarks.bench_load import run_load
-
-pytestmark = pytest.mark.serve
 
 
 def test_load_loses_nothing_and_answers_right(deploy):

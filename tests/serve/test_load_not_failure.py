@@ -26,8 +26,6 @@ from kimi_encoder.config import PreprocessConfig, get_preset
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.weights import write_checkpoint
 
-pytestmark = pytest.mark.serve
-
 APP = "busy"
 WIDTH = 7168  # Kimi-K3's text_hidden_size
 IMAGES = 8  # per request

@@ -14,10 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from serve_helpers import free_port
-
-pytestmark = pytest.mark.serve
 
 SCRIPT = Path(__file__).with_name("multinode_cluster.py")
 ROOT = Path(__file__).resolve().parents[2]

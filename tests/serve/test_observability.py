@@ -36,8 +36,6 @@ from deployments.metrics import (
     exported_names,
 )
 
-pytestmark = pytest.mark.serve
-
 ROOT = Path(__file__).resolve().parents[2]
 SERVER = Path(__file__).with_name("observability_server.py")
 DASHBOARD = ROOT / "configs" / "grafana" / "kimi-encoder.json"

@@ -14,8 +14,6 @@ import pytest
 import requests
 from serve_helpers import b64, encode
 
-pytestmark = pytest.mark.serve
-
 ROOT = Path(__file__).resolve().parents[2]
 BROWSER = ROOT / "tests" / "browser"
 ARTIFACTS = ROOT / "artifacts"

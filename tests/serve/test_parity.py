@@ -8,8 +8,6 @@ import requests
 import torch
 from serve_helpers import b64, decode_features, encode, one_thread, rank_calls
 
-pytestmark = pytest.mark.serve
-
 COUNTS = (1, 2, 5, 9)
 
 
@@ -33,7 +31,8 @@ def test_features_match_in_process_encoder(deploy, images, expected, dp_size, nu
     # Which rank answered depends on timing: a call late past dispatch.slow_after_s (1 s; dp 3
     # on 2 cores with one busy reached it) makes its rank slow, and its images go to the
     # others too (first answer wins). The owners are asserted to be ranks of this app; the
-    # assignment itself is tested in tests/test_assign.py and test_only_owning_ranks_are_called.
+    # assignment itself is tested in tests/kimi_encoder/test_assign.py and
+    # test_only_owning_ranks_are_called.
     owners = [item["owner_rank"] for item in body["items"]]
     assert set(owners) <= set(range(dp_size)), owners
     for item, ref in zip(body["items"], want, strict=True):

@@ -26,8 +26,6 @@ from images import image_bytes
 from safetensors.numpy import load_file
 from serve_helpers import ctrl_c_reaches_it, free_port
 
-pytestmark = pytest.mark.serve
-
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", README, flags=re.S)

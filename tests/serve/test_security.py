@@ -25,7 +25,6 @@ from deployments.app import bind_app
 
 GOOD = image_bytes("RGB", (64, 48), seed=1)
 
-pytestmark = pytest.mark.serve
 
 KEY = "kimi-test-key-7f3a9c51e2"
 WRONG = "kimi-wrong-key-0b8d44a6"

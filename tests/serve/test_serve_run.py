@@ -17,8 +17,6 @@ import requests
 import yaml
 from serve_helpers import ctrl_c_reaches_it, free_port
 
-pytestmark = pytest.mark.serve
-
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180
 

@@ -33,8 +33,6 @@ from deployments.handles import IngressCache
 from kimi_encoder.assign import assign_owners
 from kimi_encoder.cost import CostModel
 
-pytestmark = pytest.mark.serve
-
 
 def info(url: str) -> dict:
     return requests.get(f"{url}/v1/info", timeout=30).json()

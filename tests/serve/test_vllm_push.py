@@ -30,8 +30,6 @@ from serve_helpers import app_args, b64, decode_features, free_port, replica_act
 
 from kimi_encoder.engines.ecreceive import Receiver, Staging
 
-pytestmark = pytest.mark.serve
-
 APP = "vllm_push"
 ROOT = Path(__file__).resolve().parents[2]
 ACK_TIMEOUT_S = 4.0

@@ -20,7 +20,7 @@ from benchmarks.device_apps import Context, denominators
 from kimi_encoder.encoder import VisionEncoder
 from kimi_encoder.execution import BucketRunner, default_buckets
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FAULT_S = 20.0  # the faulty sections' deadline: more than a child's imports on a busy machine
 REHEARSAL = {  # section -> the fault injected into its process (None: the section itself)
     "site": None,

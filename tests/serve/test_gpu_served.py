@@ -1,7 +1,7 @@
 """benchmarks/gpu_served.py: its CPU twin (tiny preset, CPU, ``serve run`` on a local Ray) runs
 every section, each in a process of its own, or says why not, its answers are right, and
 its rows carry what the GPU run reports; and the pure parts of benchmarks/served.py.
-(tests/test_device_sections.py rehearses its sections' failures.)"""
+(tests/benchmarks/test_device_sections.py rehearses its sections' failures.)"""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ def smoke(cpu_smoke):
     return done, out, json.loads((out / "gpu_served.json").read_text()), before
 
 
-@pytest.mark.serve
 def test_cpu_smoke_leaves_no_haproxy_running(smoke):
     """Its HAProxy section's ``serve run`` stops the HAProxy it started, which would
     otherwise keep its fixed ports and stop the next HAProxy on the machine."""
@@ -29,7 +28,6 @@ def test_cpu_smoke_leaves_no_haproxy_running(smoke):
     assert served.haproxy_pids() <= before
 
 
-@pytest.mark.serve
 def test_cpu_smoke_runs_every_section_or_says_why_not(smoke):
     done, out, report, _ = smoke
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
@@ -50,7 +48,6 @@ def test_cpu_smoke_runs_every_section_or_says_why_not(smoke):
     assert "## http, cache off: pass" in markdown
 
 
-@pytest.mark.serve
 def test_cpu_smoke_answers_match_the_in_process_encoder(smoke):
     """Every app's answers are checked against the encoder, behind each ingress that ran;
     every request of every window answered 200; every pushed part reached the sink and
@@ -71,7 +68,6 @@ def tower_results(report: dict) -> dict:
     return {k: v for mode in MODES for k, v in sections[f"tower, {mode}"]["results"].items()}
 
 
-@pytest.mark.serve
 def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
     _, _, report, _ = smoke
     sections = report["sections"]
@@ -108,7 +104,6 @@ def test_cpu_smoke_rows_carry_rates_ratios_and_the_rank_inside(smoke):
     assert all(batcher[f"concurrency {c}"]["of_tower"] > 0 for c in gpu_served.SMOKE.clients)
 
 
-@pytest.mark.serve
 def test_cpu_smoke_measures_the_tower_in_every_mode_it_can_run(smoke):
     """Eager and compiled on CPU, each in a section of its own, on the FLOP batch and both
     sets; graphs and eager on varlen say why not; the ratios' denominators are the fastest
@@ -143,7 +138,6 @@ def test_cpu_smoke_measures_the_tower_in_every_mode_it_can_run(smoke):
     assert graphs["results"]["buckets after the check"]["eager_batches"] == 0
 
 
-@pytest.mark.serve
 def test_cpu_smoke_starts_every_app_before_any_window(smoke):
     """One ``serve run`` with /off, /on and the 4 CPU variants, all live before the first
     window; each rank's execution as its /v1/info reports it."""
@@ -159,7 +153,6 @@ def test_cpu_smoke_starts_every_app_before_any_window(smoke):
     assert [c["status"] for c in checks] == ["pass"]
 
 
-@pytest.mark.serve
 def test_cpu_smoke_serves_every_cpu_variant_side_by_side(smoke):
     """A row per window of each of the 4 CPU variants, each with its answers checked, its
     rank running the mode asked for and decoding where asked; graphs' rows say why not."""

@@ -155,8 +155,9 @@ print(json.dumps(out))
 def bounded_peaks() -> dict:
     """Each BOUNDED input admitted in one fresh process with only its main thread: the
     outcome and the peak bytes tracemalloc traced, by name."""
-    here = Path(__file__).parent
-    path = [str(here), str(here.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+    here = Path(__file__).resolve()  # this module, the tests' helpers, the repository root
+    folders = [here.parent, here.parents[1], here.parents[2]]
+    path = [*map(str, folders), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     done = subprocess.run(
         [sys.executable, "-c", _PEAKS_CHILD],

@@ -4,7 +4,7 @@ not depend on the batch it is in, one varlen attention call per layer equals per
 through the whole tower (CUDA only: varlen needs a GPU), and the gpu preprocessing backend
 equals the cpu one under K3's limits in every image mode. benchmarks/gpu_check.py runs the
 CUDA ones (``pytest -m cuda``) on the GPU machine; float32 CUDA against CPU is
-tests/test_encoder.py's ``test_cuda_float32_matches_cpu``.
+tests/kimi_encoder/test_encoder.py's ``test_cuda_float32_matches_cpu``.
 
 The weights are seeded random ones drawn on the device itself (seconds for the full tower
 on a GPU): what is checked is the arithmetic, not a checkpoint.

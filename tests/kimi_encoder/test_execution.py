@@ -4,7 +4,7 @@ On CPU: compiled features within 1e-4 of eager (float32) on every oracle image a
 bfloat16 cosine of at least 0.9999; no graph break in a compiled piece and no compilation
 after the first batch, whatever its size; 'auto', its budget running out before, during
 and after a build (a clock the compile moves), and every config error (the graphs
-mode's buckets and padding, run without capture: tests/test_buckets.py). On CUDA
+mode's buckets and padding, run without capture: tests/kimi_encoder/test_buckets.py). On CUDA
 (``pytest -m cuda``): captured graphs and compiled pieces against eager at Kimi-K3's full
 size, and 'auto' measuring on the device.
 """
@@ -242,8 +242,8 @@ MODES = ["eager", "compiled", "padded"]
 
 @pytest.mark.parametrize("mode", MODES)
 def test_backends_give_the_same_features_in_every_mode(encoder_in, oracle_dir, mode):
-    """The gpu backend's pixels are the cpu backend's (tests/test_backends.py), so every
-    mode encodes them to the same features, bit for bit."""
+    """The gpu backend's pixels are the cpu backend's (tests/kimi_encoder/test_backends.py),
+    so every mode encodes them to the same features, bit for bit."""
     encoder = encoder_in(oracle_dir / "checkpoint", mode)
     kinds = [("RGBA", (300, 200)), ("P", (90, 60))]
     data = [image_bytes(kind, size, seed=3) for kind, size in kinds]
@@ -402,7 +402,7 @@ def k3_graphs() -> tuple[m.KimiVisionModel, ex.BucketRunner]:
 def test_cuda_graphs_match_eager(grids, bucket):
     """Replays against the eager tower with the same attention kernel, bfloat16, K3: the
     matmuls may pick other kernels for another row count (the bounds of an image alone
-    and in a batch, tests/test_cuda_checks.py)."""
+    and in a batch, tests/kimi_encoder/test_cuda_checks.py)."""
     model, runner = k3_graphs()
     pixels = seeded_pixels(grids, model.cfg.patch_size, "cuda")
     other = [(1, 30, 30)]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kimi_encoder.features import FEATURE_DTYPES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOME = ROOT / "kimi_encoder" / "features.py"
 PACKAGES = ("kimi_encoder", "deployments")
 

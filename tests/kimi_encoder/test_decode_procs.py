@@ -1,6 +1,6 @@
 """Decode in worker processes (``kimi_encoder.decode_procs``) against decode in this process.
 
-The same pixels, bit for bit, in every PIL mode and size tests/test_backends.py covers,
+The same pixels, bit for bit, in every PIL mode and size tests/kimi_encoder/test_backends.py covers,
 with both backends; the same errors for bad files; a worker that dies fails only the
 image it held and is replaced; no shared memory, descriptor or process is left behind;
 an abandoned image never reaches a worker. Workers are paused and killed with signals,

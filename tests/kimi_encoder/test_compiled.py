@@ -23,7 +23,7 @@ from kimi_encoder.config import get_preset
 from kimi_encoder.weights import random_model
 
 TINY = get_preset("tiny").vision
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pixels_of(grids, seed: int = 0) -> torch.Tensor:

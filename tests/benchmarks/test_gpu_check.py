@@ -55,7 +55,7 @@ def test_cpu_smoke_runs_every_section(smoke):
 def test_a_spawned_child_of_the_script_imports_from_the_checkout(name):
     """multiprocessing's spawn runs the script again in the child, as ``__mp_main__`` and
     with the parent's ``sys.path`` (the checkout's root first, benchmarks/ gone)."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     script = root / "benchmarks" / f"{name}.py"
     child = (
         f"import runpy, sys; sys.path[0] = {str(root)!r}; "

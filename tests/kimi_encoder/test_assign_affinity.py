@@ -1,4 +1,5 @@
-"""Cache affinity and makespan helpers of owner assignment (tests/test_assign.py: the base rule)."""
+"""Cache affinity and makespan helpers of owner assignment (the base rule:
+tests/kimi_encoder/test_assign.py)."""
 
 from __future__ import annotations
 
