@@ -31,14 +31,21 @@ HAPROXY_DRAIN ?= RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S=1
 HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve/test_bad_inputs.py \
 	tests/serve/test_engine_gate.py
 
+# The first pass runs its modules on TEST_WORKERS worker processes (pytest-xdist, one
+# module per worker at a time, each worker with its Ray cluster): a serve test mostly waits
+# (Serve's control loops, scaling windows, faults under load), so two share the 2 cores
+# well. The HAProxy pass stays in one process: Ray's HAProxy binds fixed ports.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(HAPROXY_DRAIN) $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
 
 # The inner loop: every test that starts no Ray cluster (library, admission, fan-out,
 # wire formats, docstring examples); `make test` stays the full suite that CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not serve and not chaos" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not serve and not chaos" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

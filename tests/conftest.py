@@ -32,15 +32,23 @@ ORACLE = TESTS / "data" / "oracle-k3"
 FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
 
 
+# The folders whose modules take minutes run first: on `make test`'s worker processes
+# (pytest-xdist, a module at a time each) the short ones then fill the gaps at the end.
+LONG_FIRST = ("chaos", "serve", "benchmarks")
+
+
+def _folder(item) -> str:
+    path = Path(str(item.fspath)).resolve()
+    return path.relative_to(TESTS).parts[0] if TESTS in path.parents else ""
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
-        path = Path(str(item.fspath)).resolve()
-        if TESTS not in path.parents:
-            continue
-        folder = path.relative_to(TESTS).parts[0]
-        if folder in FOLDER_MARKERS:
+        if (folder := _folder(item)) in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
+    rank = {folder: i for i, folder in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(_folder(item), len(LONG_FIRST)))  # stable
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -238,7 +240,7 @@ def served(serve_url: str, name: str, args: AppArgs) -> Iterator[str]:
         serve.delete(name)
 
 
-def wait_for(predicate, within_s: float, what: str, every: float = 0.5):
+def wait_for(predicate, within_s: float, what: str, every: float = 0.2):
     """Poll ``predicate`` (returns a truthy value when met) until it holds: that value;
     an assertion error naming ``what`` once ``within_s`` has passed."""
     deadline = time.monotonic() + within_s
@@ -308,3 +310,57 @@ class Ramp:
                 item = reference.plan(image_bytes("RGB", (self.side,) * 2, seed, fmt="JPEG"))
                 (want,) = reference.encode([item])
                 np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5, err_msg=str(seed))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch(command: list[str], log: Path, **popen) -> subprocess.Popen:
+    """``command`` from the repository root in a session of its own and, with
+    RAY_ADDRESS=local, a Ray cluster of its own even while the test session holds one;
+    its output to ``log``. Stop it with ``interrupt``."""
+    env = {**os.environ, "RAY_ADDRESS": "local", **popen.pop("env", {})}
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=popen.pop("stdout", out),
+            stderr=subprocess.STDOUT if "stdout" not in popen else out,
+            start_new_session=True,
+            preexec_fn=ctrl_c_reaches_it,
+            **popen,
+        )
+
+
+def interrupt(process: subprocess.Popen, within_s: float = 90) -> int:
+    """Ctrl-C the launched process's session (as in its terminal); killed if it has not
+    stopped within ``within_s`` (then TimeoutExpired is raised). Its exit code."""
+    os.killpg(process.pid, signal.SIGINT)
+    try:
+        return process.wait(timeout=within_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        raise
+
+
+def healthy(url: str, process: subprocess.Popen, log: Path, within_s: float) -> float:
+    """Seconds until ``url``'s /healthz answers 200; an assertion error with the log's
+    tail if the process ends first or ``within_s`` passes."""
+    started = time.monotonic()
+    while True:
+        assert process.poll() is None, log.read_text(errors="replace")[-4000:]
+        assert time.monotonic() - started < within_s, log.read_text(errors="replace")[-4000:]
+        try:
+            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except (requests.ConnectionError, requests.Timeout):  # proxy or route not up yet
+            pass
+        time.sleep(0.5)
+
+
+def kill_ranks(app: str, ranks) -> None:
+    """Kill the live replica of each of ``ranks`` of ``app`` (Serve starts replacements)."""
+    for rank in ranks:
+        ray.kill(replica_actor(app, rank), no_restart=True)

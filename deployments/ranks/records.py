@@ -11,10 +11,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
+
+import numpy as np
 
 from kimi_encoder.cost import CostModel
 from kimi_encoder.load import Work
+
+if TYPE_CHECKING:  # names only: this module imports no runtime code
+    from ray import ObjectRef
+
+    from ..rank import StoredFeatures
+    from ..sinks import Written
+
+# What a rank answers for one image, one of five forms: its features as an array; their
+# object-store ref (the rank's cache on); ``StoredFeatures`` (kept for a hand-off the
+# rank pushes itself); ``Written`` (what it delivered to a sink: vLLM's files, pushes);
+# or None (sent by digest, no longer cached: listed in ``RankReply.missing``).
+Feature: TypeAlias = Union[np.ndarray, "ObjectRef", "StoredFeatures", "Written", None]
 
 
 @dataclass(frozen=True)
@@ -45,16 +59,14 @@ class LoadReport:
 class RankReply:
     """A rank's answer to one encode call.
 
-    ``features`` holds one entry per image of the call, in its order: the array, its
-    object-store ref (the rank's cache on), what was delivered to a sink
-    (``sinks.Written``, ``rank.StoredFeatures``), or None for an image listed in
-    ``missing`` (sent by digest, no longer cached: the ingress sends it again with its
-    bytes). ``refs`` is the ingress's: after it has read the refs in place, the ref each
-    array came from (None for an array sent as it was).
+    ``features`` holds one ``Feature`` per image of the call, in its order (None for an
+    image listed in ``missing``: the ingress sends it again with its bytes). ``refs`` is
+    the ingress's: after it has read the refs in place, the ref each array came from
+    (None for an array sent as it was).
     """
 
     rank: int
-    features: list[Any]
+    features: list[Feature]
     dtype: str  # the feature dtype the call asked for
     encode_ms: float
     stages_ms: Mapping[str, float]

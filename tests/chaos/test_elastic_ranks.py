@@ -18,7 +18,7 @@ import time
 import pytest
 import ray
 import requests
-from serve_helpers import app_args, replica_actor, replica_actors, served, wait_for
+from serve_helpers import app_args, kill_ranks, replica_actor, replica_actors, served, wait_for
 
 from chaos.load import Load, summary, wait_rejoined
 
@@ -76,8 +76,7 @@ def test_every_rank_killed_is_200_or_503_at_once(url, chaos_images):
     with Load(url, *chaos_images, clients=8) as load:
         both_live(url, load)
         killed_at = time.monotonic()
-        for rank in (0, 1):
-            ray.kill(replica_actor(APP, rank), no_restart=True)
+        kill_ranks(APP, (0, 1))
         rejoin_s = wait_rejoined(load, 0, killed_at, REJOIN_BOUND_S)
     around = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
     figures = summary(around)

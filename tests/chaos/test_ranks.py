@@ -16,7 +16,7 @@ import pytest
 import ray
 import requests
 from ray import serve
-from serve_helpers import app_args, b64, replica_actor, replica_actor_name
+from serve_helpers import app_args, b64, kill_ranks, replica_actor, replica_actor_name
 
 from chaos.load import Load, summary, wait_rejoined
 from deployments.app import bind_app
@@ -83,8 +83,7 @@ def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
     with Load(url, *chaos_images, clients=8) as load:
         time.sleep(3)
         killed_at = time.monotonic()
-        for rank in (0, 1):
-            ray.kill(replica_actor(APP, rank), no_restart=True)
+        kill_ranks(APP, (0, 1))
         rejoin_s = wait_rejoined(load, 0, killed_at, REJOIN_BOUND_S)
     around = [o for o in load.outcomes if o.sent + o.seconds >= killed_at]
     figures = summary(around)

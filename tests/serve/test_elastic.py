@@ -41,8 +41,8 @@ UP_WITHIN_S = 60.0
 DOWN_WITHIN_S = 120.0
 AFTER_UP_S = 5.0  # load kept on the three ranks before it stops
 # Several ingress replicas: a load that comes back before the pool shrinks, then goes.
-SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 10.0, "park_after_s": 4.0}
-CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 8.0, 6.0, 12
+SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 6.0, "park_after_s": 2.0}
+CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 6.0, 4.0, 12
 AGREE = 3  # answers in a row from every ingress replica that must agree
 
 

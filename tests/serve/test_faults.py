@@ -21,7 +21,15 @@ import requests
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from ray import serve
-from serve_helpers import app_args, b64, decode_features, one_thread, replica_actor
+from serve_helpers import (
+    app_args,
+    b64,
+    decode_features,
+    kill_ranks,
+    one_thread,
+    replica_actor,
+    wait_for,
+)
 
 from deployments.app import bind_app
 
@@ -84,16 +92,6 @@ def release(board, *ranks: int) -> None:
 def wait_held(board, *ranks: int) -> None:
     for rank in ranks:
         ray.get(board.wait_held.remote(rank), timeout=30)
-
-
-def wait_for(predicate, bound_s: float, what: str, every: float = 0.2):
-    deadline = time.monotonic() + bound_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"{what} not within {bound_s} s"
-        time.sleep(every)
 
 
 def pids(url: str) -> list[int | None]:
@@ -172,8 +170,7 @@ def test_no_rank_alive_means_503_with_retry_after_then_recovery(faults_url, boar
         pending = pool.submit(post, faults_url, data)
         wait_held(board, 0, 1)
         killed_at = time.monotonic()
-        for rank in (0, 1):
-            ray.kill(replica_actor(FAULTS_APP, rank), no_restart=True)
+        kill_ranks(FAULTS_APP, (0, 1))
         response = pending.result(timeout=60)
     unavailable_s = time.monotonic() - killed_at
     assert response.status_code == 503, response.text

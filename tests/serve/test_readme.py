@@ -13,10 +13,8 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +22,7 @@ import requests
 import yaml
 from images import image_bytes
 from safetensors.numpy import load_file
-from serve_helpers import ctrl_c_reaches_it, free_port
+from serve_helpers import free_port, healthy, interrupt, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -80,37 +78,12 @@ def service(tmp_path_factory):
     config_path = tmp / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = tmp / "serve.log"
-    # RAY_ADDRESS=local: a cluster of its own, even while the test session holds one.
-    env = {**os.environ, "RAY_ADDRESS": "local"}
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            ["make", "serve", f"CONFIG={config_path}"],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=ctrl_c_reaches_it,
-        )
+    process = launch(["make", "serve", f"CONFIG={config_path}"], log)
     url = f"http://127.0.0.1:{port}"
-    started = time.monotonic()
-    while True:
-        assert process.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() - started < STARTUP_TIMEOUT_S, log.read_text()[-4000:]
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                break
-        except (requests.ConnectionError, requests.Timeout):  # proxy or route not up yet
-            pass
-        time.sleep(0.5)
-    print(f"\nmake serve: ready in {time.monotonic() - started:.1f} s")
+    ready_s = healthy(url, process, log, STARTUP_TIMEOUT_S)
+    print(f"\nmake serve: ready in {ready_s:.1f} s")
     yield {"url": url, "port": port}
-    os.killpg(process.pid, signal.SIGINT)  # make and serve run: Ctrl-C in the terminal
-    try:
-        process.wait(timeout=90)  # make itself reports the interrupt with a non-zero code
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        raise
+    interrupt(process)  # make and serve run; make reports the interrupt with a non-zero code
     assert "Got KeyboardInterrupt, shutting down" in log.read_text(), log.read_text()[-4000:]
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{url}/healthz", timeout=2)

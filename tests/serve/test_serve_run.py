@@ -5,34 +5,16 @@ tests/serve/test_readme.py."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pytest
-import requests
 import yaml
-from serve_helpers import ctrl_c_reaches_it, free_port
+from serve_helpers import free_port, interrupt, launch
 
 ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 180
-
-
-def wait_ready(url: str, process: subprocess.Popen, log: Path) -> float:
-    started = time.monotonic()
-    while time.monotonic() - started < STARTUP_TIMEOUT_S:
-        if process.poll() is not None:
-            pytest.fail(f"serve run exited with {process.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
-                return time.monotonic() - started
-        except (requests.ConnectionError, requests.Timeout):  # proxy or route not up yet
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"not ready after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
 
 
 def start_serve_run(tmp_path: Path, config: dict) -> tuple[subprocess.Popen, Path]:
@@ -40,20 +22,8 @@ def start_serve_run(tmp_path: Path, config: dict) -> tuple[subprocess.Popen, Pat
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     log = tmp_path / "serve.log"
-    # RAY_ADDRESS=local: a cluster of its own, even while the test session holds one.
-    env = {**os.environ, "RAY_ADDRESS": "local"}
     serve_bin = Path(sys.executable).parent / "serve"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [str(serve_bin), "run", str(config_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=ctrl_c_reaches_it,
-        )
-    return process, log
+    return launch([str(serve_bin), "run", str(config_path)], log), log
 
 
 def shipped_config(port: int) -> dict:
@@ -81,9 +51,4 @@ def test_config_giving_one_rank_other_resources_is_refused(tmp_path):
             assert time.monotonic() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            raise
+        interrupt(process)
