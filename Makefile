@@ -33,13 +33,16 @@ HAPROXY_TESTS ?= tests/serve/test_api.py tests/serve/test_handoff.py tests/serve
 
 # The first pass runs its modules on TEST_WORKERS worker processes (pytest-xdist, one
 # module per worker at a time, each worker with its Ray cluster): a serve test mostly waits
-# (Serve's control loops, scaling windows, faults under load), so two share the 2 cores
-# well. The HAProxy pass stays in one process: Ray's HAProxy binds fixed ports.
+# (Serve's control loops, scaling windows), so two share the 2 cores well. The modules
+# marked `alone` (tests/conftest.py: the chaos tests, the device script's CPU rehearsal)
+# measure under a load they make themselves and run next, in one process with the machine
+# to themselves. The HAProxy pass stays in one process too: Ray's HAProxy binds fixed ports.
 TEST_WORKERS ?= 2
 XDIST = -n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP)
-	RAY_AUTH_MODE=disabled $(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest $(XDIST) -m "not alone" $(PYTEST_ARGS)
+	RAY_AUTH_MODE=disabled $(PY) -m pytest -m alone $(PYTEST_ARGS)
 	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(HAPROXY_DRAIN) $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
 
 # The inner loop: every test that starts no Ray cluster (library, admission, fan-out,

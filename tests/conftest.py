@@ -32,6 +32,11 @@ ORACLE = TESTS / "data" / "oracle-k3"
 FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
 
 
+# The modules that measure under a load they make themselves (faults under load, the
+# device script's served windows on CPU) run by themselves, after the parallel pass: a
+# second worker's cluster on the same two cores would be part of what they measure.
+ALONE = ("chaos", "serve/test_gpu_served.py")
+
 # The folders whose modules take minutes run first: on `make test`'s worker processes
 # (pytest-xdist, a module at a time each) the short ones then fill the gaps at the end.
 LONG_FIRST = ("chaos", "serve", "benchmarks")
@@ -42,11 +47,21 @@ def _folder(item) -> str:
     return path.relative_to(TESTS).parts[0] if TESTS in path.parents else ""
 
 
+def _alone(item) -> bool:
+    path = Path(str(item.fspath)).resolve()
+    if TESTS not in path.parents:
+        return False
+    relative = path.relative_to(TESTS).as_posix()
+    return any(relative == alone or relative.startswith(f"{alone}/") for alone in ALONE)
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if (folder := _folder(item)) in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
+        if _alone(item):
+            item.add_marker("alone")
     rank = {folder: i for i, folder in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(_folder(item), len(LONG_FIRST)))  # stable
 

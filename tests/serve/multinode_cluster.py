@@ -38,6 +38,9 @@ import torch
 from ray import serve
 from ray.cluster_utils import Cluster
 
+# tests/ for its helpers, and the checkout itself: tests/kimi_encoder (no __init__.py)
+# would otherwise shadow the editable install as a namespace package.
+sys.path.insert(0, str(Path(__file__).parents[2]))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from controlled import Switchboard, controlled_factory
 from images import image_bytes

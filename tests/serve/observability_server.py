@@ -16,6 +16,9 @@ from pathlib import Path
 import ray
 from ray import serve
 
+# tests/ for its helpers, and the checkout itself: tests/kimi_encoder (no __init__.py)
+# would otherwise shadow the editable install as a namespace package.
+sys.path.insert(0, str(Path(__file__).parents[2]))
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from serve_helpers import app_args
 

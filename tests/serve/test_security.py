@@ -19,7 +19,7 @@ import yaml
 from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from ray import serve
-from serve_helpers import REFERENCE_PATH, app_args, b64, encode, replica_pids
+from serve_helpers import REFERENCE_PATH, app_args, b64, encode, replica_pids, wait_for
 
 from deployments.app import bind_app
 
@@ -52,12 +52,20 @@ def strict(serve_url, board, tmp_path_factory) -> Iterator[str]:
         handoff={"engine_callers": {"networks": []}},
     )
     serve.run(bind_app(args, controlled_factory(board)), name="strict", route_prefix="/strict")
-    yield f"{serve_url}/strict"
+    url = f"{serve_url}/strict"
+    # Ready when a rank answers the ingress's load report within /health's 1 s: the first
+    # call through a new handle can take longer than that on a busy machine.
+    wait_for(lambda: health(url).status_code == 200, 60, "the strict app's /health")
+    yield url
     serve.delete("strict")
 
 
 def auth(key: str = KEY) -> dict:
     return {"authorization": f"Bearer {key}"}
+
+
+def health(url: str) -> requests.Response:
+    return requests.get(f"{url}/health", headers=auth(), timeout=30)
 
 
 def small_body() -> dict:
@@ -96,7 +104,7 @@ def test_handoff_routes_need_the_key_outside_the_engine_networks(strict, path):
     assert response.headers["www-authenticate"] == "Bearer"
     assert response.json()["error"]["type"] == "unauthorized", response.text
     assert "handoff.engine_callers.networks" in response.json()["error"]["message"]
-    assert requests.get(f"{strict}/health", headers=auth(), timeout=30).json() == {"status": "ok"}
+    assert health(strict).json() == {"status": "ok"}
 
 
 def test_the_key_opens_and_healthz_stays_open(strict):
