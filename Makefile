@@ -45,10 +45,11 @@ test: $(STAMP)
 	RAY_AUTH_MODE=disabled $(PY) -m pytest -m alone $(PYTEST_ARGS)
 	RAY_AUTH_MODE=disabled RAY_SERVE_ENABLE_HA_PROXY=1 $(HAPROXY_DRAIN) $(PY) -m pytest $(PYTEST_ARGS) $(HAPROXY_TESTS)
 
-# The inner loop: every test that starts no Ray cluster (library, admission, fan-out,
-# wire formats, docstring examples); `make test` stays the full suite that CI runs.
+# The inner loop: every test that starts no Ray cluster and runs no device script end to
+# end (library, admission, fan-out, wire formats, docstring examples); `make test` stays
+# the full suite that CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest $(XDIST) -m "not serve and not chaos" $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) -m "not serve and not chaos and not script" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -37,6 +37,11 @@ FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
 # second worker's cluster on the same two cores would be part of what they measure.
 ALONE = ("chaos", "serve/test_gpu_served.py")
 
+# A test that runs a device script end to end on CPU (its fixtures run
+# benchmarks/gpu_check.py or gpu_served.py as CI does) takes a minute or more, mostly
+# waiting on its sections' deadlines: marked `script`, and `make test-fast` leaves it out.
+SCRIPT_FIXTURES = {"cpu_smoke", "rehearsal"}
+
 # The folders whose modules take minutes run first: on `make test`'s worker processes
 # (pytest-xdist, a module at a time each) the short ones then fill the gaps at the end.
 LONG_FIRST = ("chaos", "serve", "benchmarks")
@@ -62,6 +67,8 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(FOLDER_MARKERS[folder])
         if _alone(item):
             item.add_marker("alone")
+        if SCRIPT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("script")
     rank = {folder: i for i, folder in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(_folder(item), len(LONG_FIRST)))  # stable
 
