@@ -47,30 +47,27 @@ SCRIPT_FIXTURES = {"cpu_smoke", "rehearsal"}
 LONG_FIRST = ("chaos", "serve", "benchmarks")
 
 
-def _folder(item) -> str:
+def _relative(item) -> str:
+    """The item's module as a path under tests/ ('' for the packages' doctests)."""
     path = Path(str(item.fspath)).resolve()
-    return path.relative_to(TESTS).parts[0] if TESTS in path.parents else ""
-
-
-def _alone(item) -> bool:
-    path = Path(str(item.fspath)).resolve()
-    if TESTS not in path.parents:
-        return False
-    relative = path.relative_to(TESTS).as_posix()
-    return any(relative == alone or relative.startswith(f"{alone}/") for alone in ALONE)
+    return path.relative_to(TESTS).as_posix() if TESTS in path.parents else ""
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
+    order = {folder: i for i, folder in enumerate(LONG_FIRST)}
+    rank = {}
     for item in items:
-        if (folder := _folder(item)) in FOLDER_MARKERS:
+        relative = _relative(item)
+        folder = relative.split("/", 1)[0]
+        if folder in FOLDER_MARKERS:
             item.add_marker(FOLDER_MARKERS[folder])
-        if _alone(item):
+        if any(relative == alone or relative.startswith(f"{alone}/") for alone in ALONE):
             item.add_marker("alone")
         if SCRIPT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker("script")
-    rank = {folder: i for i, folder in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(_folder(item), len(LONG_FIRST)))  # stable
+        rank[item.nodeid] = order.get(folder, len(LONG_FIRST))
+    items.sort(key=lambda item: rank[item.nodeid])  # stable
 
 
 @pytest.fixture(scope="session")
