@@ -45,10 +45,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch._dynamo.exc import FailOnRecompileLimitHit
-from torch._dynamo.utils import counters
-from torch._inductor import config as inductor_config
-from torch._inductor.runtime.cache_dir_utils import cache_dir
 
 from .model import Grid, KimiVisionModel
 
@@ -86,10 +82,20 @@ def bound_compile_threads(cpus: int | None = None) -> int:
     """Inductor's compile workers in this process: ``cpus`` (a rank's CPUs; None: the CPUs
     this process may run on), at least 1 and at most ``MAX_COMPILE_THREADS``; an explicit
     ``TORCHINDUCTOR_COMPILE_THREADS`` is kept. Only a process's first compile reads it."""
+    from torch._inductor import config as inductor_config  # imports dynamo: on first use
+
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         usable = len(os.sched_getaffinity(0)) if cpus is None else cpus
         inductor_config.compile_threads = max(1, min(MAX_COMPILE_THREADS, usable))
     return inductor_config.compile_threads
+
+
+def lock_path() -> Path:
+    """The node's compile lock: a file in inductor's cache directory, which all its ranks
+    share."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir  # imports dynamo
+
+    return Path(cache_dir()) / LOCK_NAME
 
 
 @contextmanager
@@ -98,7 +104,7 @@ def node_lock(deadline: Deadline) -> Iterator[float]:
     spent waiting for it. The first process to come holds it alone and compiles; one that
     finds it held waits, then holds it shared with the others that waited, so they load
     side by side. ``BudgetSpent`` when ``deadline`` passes before it is held."""
-    path = Path(cache_dir()) / LOCK_NAME
+    path = lock_path()
     started = time.perf_counter()
     with path.open("a") as handle:
         if not _try_lock(handle, fcntl.LOCK_EX):
@@ -215,6 +221,8 @@ def build_compiled(
 
 def _cache_counts() -> tuple[int, int]:
     """Inductor's FX graph cache hits and misses in this process so far."""
+    from torch._dynamo.utils import counters  # dynamo on first use (model.varlen_function)
+
     inductor = counters["inductor"]
     return inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
 
@@ -243,6 +251,7 @@ def _rows_dynamic(compiled: Callable, eager: Callable, fell_back: Callable[[], N
     tensor made outside it (the position table of an image of the table's own size is a
     view of the weight) is copied first: a compiled graph is specialized on the kind of
     tensor too. A call past dynamo's recompile limit runs ``eager``, counted."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
 
     def run(*args):
         inference = torch.is_inference_mode_enabled()

@@ -51,7 +51,7 @@ import torch
 
 from .buckets import BucketRunner, fifo, parts, split_rows
 from .compiled import BudgetSpent, CompiledRun, Deadline, build_compiled
-from .model import Grid, KimiVisionModel, varlen_attn, varlen_unsupported
+from .model import Grid, KimiVisionModel, varlen_function, varlen_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,8 @@ def graphs_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why the tower's CUDA graphs cannot be captured on ``device`` in ``dtype``, or None."""
     if device.type != "cuda":
         return f"CUDA graphs need a CUDA device, got device {device.type!r}"
-    why = varlen_unsupported("cuda", dtype, torch.cuda.get_device_capability(device), varlen_attn)
+    capability = torch.cuda.get_device_capability(device)
+    why = varlen_unsupported("cuda", dtype, capability, varlen_function())
     if why is None:
         return None
     return f"attention inside a graph is one varlen_attn call per layer, which {why}"

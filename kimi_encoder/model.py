@@ -50,10 +50,24 @@ from torch import nn
 from .config import VisionConfig
 from .tables import TableCache
 
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # torch before 2.10
-    varlen_attn = None
+
+@functools.cache
+def varlen_function() -> Callable | None:
+    """This torch's ``varlen_attn``, or None (torch before 2.10). Imported on first use: its
+    module imports ``torch._dynamo``, about a second of every process's start that a CPU
+    rank, an ingress or a client never needs."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def __getattr__(name: str):
+    if name == "varlen_attn":  # the module attribute, resolved when first asked for
+        return varlen_function()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 Grid = tuple[int, int, int]
 ATTENTION_CHOICES = ("auto", "varlen", "sdpa")
@@ -239,7 +253,10 @@ class Segments:
         lengths = [t * h * w for t, h, w in grids]
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         mean = sum(lengths) / max(len(lengths), 1)
-        kernel = choose_attention(requested, device.type, dtype, capability, varlen_attn, mean)
+        # Off CUDA only an explicit 'varlen' needs the function (for its error message).
+        wants = device.type == "cuda" or requested == "varlen"
+        varlen_fn = varlen_function() if wants else None
+        kernel = choose_attention(requested, device.type, dtype, capability, varlen_fn, mean)
         offsets, max_len = cumulative_lengths(lengths)
         cu = None
         if kernel == "varlen":  # pinned and asynchronous: the host does not wait for the GPU
@@ -324,6 +341,7 @@ def varlen_options(varlen_fn: Callable, head_dim: int) -> dict:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Segments) -> torch.Tensor:
     """Full attention within each image: (N, heads, head_dim) each -> (N, heads, head_dim)."""
     if seg.kernel == "varlen":
+        varlen_attn = varlen_function()
         options = varlen_options(varlen_attn, q.shape[-1])
         cu = seg.cu_seqlens
         return varlen_attn(q, k, v.contiguous(), cu, cu, seg.max_len, seg.max_len, **options)

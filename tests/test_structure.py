@@ -295,3 +295,21 @@ def test_the_rank_call_guard_catches_a_new_caller(tmp_path):
     )
     found = rank_calls(sneaky)
     assert sorted(line.split(":")[1] for line in found) == ["2", "2", "3", "4"]
+
+
+# What every replica, client and test process imports at start. torch._dynamo (and the
+# sympy it pulls in) is a second of CPU per process; only a compiled or graphs build and a
+# CUDA varlen forward need it, and they import it then (kimi_encoder.model.varlen_function).
+START_MODULES = ("deployments.app", "deployments.rank", "deployments.ingress", "kimi_encoder.cli")
+
+
+@pytest.mark.parametrize("module", START_MODULES)
+def test_starting_a_process_does_not_import_dynamo(module):
+    import subprocess
+    import sys
+
+    probe = f"import sys, {module}; print(sorted({{'torch._dynamo', 'sympy'}} & set(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -115,7 +115,7 @@ def test_a_build_waits_for_the_lock_only_until_its_deadline():
     """Another process's compile holds the node's lock: a build with a deadline gives up
     when it passes, having put no piece in place; 'auto' skips compiled, naming why."""
     model = random_model(TINY, seed=2, device="cpu", dtype=torch.float32)
-    path = Path(cp.cache_dir()) / cp.LOCK_NAME
+    path = cp.lock_path()
     with path.open("a") as other:  # another open file: flock sees another holder
         fcntl.flock(other, fcntl.LOCK_EX)
         try:
@@ -140,7 +140,7 @@ def test_processes_that_waited_build_side_by_side():
     """Another process holds the lock shared (it waited for the compile and is loading):
     a build does not wait for it, it holds the lock shared too."""
     model = random_model(TINY, seed=2, device="cpu", dtype=torch.float32)
-    path = Path(cp.cache_dir()) / cp.LOCK_NAME
+    path = cp.lock_path()
     with path.open("a") as other:
         fcntl.flock(other, fcntl.LOCK_SH)
         try:
