@@ -44,9 +44,6 @@ SCRIPT_FIXTURES = {"cpu_smoke", "rehearsal"}
 
 # The folders whose modules take minutes run first: on `make test`'s worker processes
 # (pytest-xdist, a module at a time each) the short ones then fill the gaps at the end.
-# Before them the two longest modules (the elastic tests' scaling cycles, 6 minutes of a
-# worker's time; the simulated nodes, 2), so that neither is left running alone at the end.
-LONGEST = ("serve/test_elastic.py", "serve/test_multinode.py")
 LONG_FIRST = ("chaos", "serve", "benchmarks")
 
 
@@ -58,8 +55,7 @@ def _relative(item) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items) -> None:
-    order = {folder: len(LONGEST) + i for i, folder in enumerate(LONG_FIRST)}
-    order |= {module: i for i, module in enumerate(LONGEST)}
+    order = {folder: i for i, folder in enumerate(LONG_FIRST)}
     rank = {}
     for item in items:
         relative = _relative(item)
@@ -70,7 +66,7 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker("alone")
         if SCRIPT_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker("script")
-        rank[item.nodeid] = order.get(relative, order.get(folder, len(order)))
+        rank[item.nodeid] = order.get(folder, len(LONG_FIRST))
     items.sort(key=lambda item: rank[item.nodeid])  # stable
 
 
