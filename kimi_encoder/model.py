@@ -96,9 +96,8 @@ class PositionEmbedding(nn.Module):
         self.weight = nn.Parameter(
             torch.empty(cfg.pos_emb_height, cfg.pos_emb_width, cfg.hidden_size)
         )
-        self.register_buffer(
-            "time_weight", _sincos_table(cfg.hidden_size, cfg.pos_emb_time), persistent=False
-        )
+        table = _sincos_table(cfg.hidden_size, cfg.pos_emb_time)  # on the CPU, then moved
+        self.register_buffer("time_weight", table.to(torch.get_default_device()), persistent=False)
         self.tables = TableCache(cache_bytes)
         self._stamp: tuple | None = None  # what the cached tables were computed from
 
@@ -152,10 +151,12 @@ class PositionEmbedding(nn.Module):
 
 
 def _sincos_table(dim: int, frames: int) -> torch.Tensor:
-    """(frames, 1, dim) fixed sin/cos time embedding, computed in float32."""
-    omega = torch.arange(dim // 2, dtype=torch.float32) / (dim / 2.0)
+    """(frames, 1, dim) fixed sin/cos time embedding, computed in float32 on the CPU even
+    where a model is built under a device context: a meta ``arange`` runs torch's Python
+    decompositions, which import ``torch._dynamo`` (a second of every rank's start)."""
+    omega = torch.arange(dim // 2, dtype=torch.float32, device="cpu") / (dim / 2.0)
     omega = 1.0 / 10000**omega
-    angles = torch.arange(frames, dtype=torch.float32)[:, None] * omega[None, :]
+    angles = torch.arange(frames, dtype=torch.float32, device="cpu")[:, None] * omega[None, :]
     return torch.cat([angles.sin(), angles.cos()], dim=1).unsqueeze(1)
 
 

@@ -297,15 +297,26 @@ def test_the_rank_call_guard_catches_a_new_caller(tmp_path):
     assert sorted(line.split(":")[1] for line in found) == ["2", "2", "3", "4"]
 
 
-# What every replica, client and test process imports at start. torch._dynamo (and the
-# sympy it pulls in) is a second of CPU per process; only a compiled or graphs build and a
-# CUDA varlen forward need it, and they import it then (kimi_encoder.model.varlen_function).
+# What every replica, client and test process imports at start, and what a rank then does
+# (build its model on the meta device, fill it, run a forward). torch._dynamo (and the sympy
+# it pulls in) is a second of CPU per process; only a compiled or graphs build and a CUDA
+# varlen forward need it, and they import it then (kimi_encoder.model.varlen_function). A
+# rank's build imports sympy alone (0.3 s: to_empty of a meta model), not dynamo.
 START_MODULES = ("deployments.app", "deployments.rank", "deployments.ingress", "kimi_encoder.cli")
 PROBE = """
-import importlib, sys
+import importlib, io, sys
+from PIL import Image
+def loaded():
+    return sorted({"torch._dynamo", "sympy"} & set(sys.modules))
 for name in sys.argv[1:]:
     importlib.import_module(name)
-    print(name, sorted({"torch._dynamo", "sympy"} & set(sys.modules)))
+    print(name, loaded())
+from kimi_encoder.encoder import VisionEncoder
+encoder = VisionEncoder.from_pretrained("tiny", device="cpu", backend="cpu")
+image = io.BytesIO()
+Image.new("RGB", (64, 48)).save(image, "PNG")
+encoder.encode([encoder.plan(image.getvalue())])
+print("a tiny rank's build and forward", "torch._dynamo" in sys.modules)
 """
 
 
@@ -315,4 +326,5 @@ def test_starting_a_process_does_not_import_dynamo():
 
     command = [sys.executable, "-c", PROBE, *START_MODULES]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
-    assert done.stdout.splitlines() == [f"{name} []" for name in START_MODULES], done.stdout
+    want = [f"{name} []" for name in START_MODULES] + ["a tiny rank's build and forward False"]
+    assert done.stdout.splitlines() == want, done.stdout
