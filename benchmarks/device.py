@@ -56,6 +56,7 @@ FLOP_FORMULA = (
 def versions() -> dict:
     """Python, torch, CUDA, Pillow and numpy versions, the host's cores, the float32
     settings, the attention kernels torch offers, and the GPU and its driver."""
+    varlen = model_lib.varlen_function()
     out = {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -65,10 +66,10 @@ def versions() -> dict:
         "cpu_threads": torch.get_num_threads(),
         "cores": os.cpu_count(),
         "fp32_precision": float32_settings(),
-        "varlen_attn": "missing" if model_lib.varlen_attn is None else "present",
+        "varlen_attn": "missing" if varlen is None else "present",
     }
-    if model_lib.varlen_attn is not None:
-        out["varlen_options"] = model_lib.varlen_options(model_lib.varlen_attn, 128)
+    if varlen is not None:
+        out["varlen_options"] = model_lib.varlen_options(varlen, 128)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         out.update(

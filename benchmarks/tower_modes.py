@@ -55,7 +55,7 @@ def unsupported_here(device: str, dtype: str) -> dict[str, str | None]:
     out: dict[str, str | None] = dict.fromkeys(MODES)
     out["graphs"] = graphs_unsupported(torch.device(device), dt)
     capability = torch.cuda.get_device_capability() if device == "cuda" else None
-    why = model_lib.varlen_unsupported(device, dt, capability, model_lib.varlen_attn)
+    why = model_lib.varlen_unsupported(device, dt, capability, model_lib.varlen_function())
     out[VARLEN] = f"attention_kernel 'varlen' {why}" if why else None
     return out
 

@@ -63,12 +63,6 @@ def varlen_function() -> Callable | None:
     return varlen_attn
 
 
-def __getattr__(name: str):
-    if name == "varlen_attn":  # the module attribute, resolved when first asked for
-        return varlen_function()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 Grid = tuple[int, int, int]
 ATTENTION_CHOICES = ("auto", "varlen", "sdpa")
 

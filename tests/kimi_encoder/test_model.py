@@ -113,7 +113,7 @@ def _varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=
     ("fn", "expected"),
     [
         (_varlen_2_10, {}),
-        (m.varlen_attn, {"scale": 128**-0.5, "num_splits": 1}),
+        (m.varlen_function(), {"scale": 128**-0.5, "num_splits": 1}),
     ],
     ids=["torch-2.10", "this-torch"],
 )
@@ -329,7 +329,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 def _varlen_ready() -> bool:
-    if not torch.cuda.is_available() or m.varlen_attn is None:
+    if not torch.cuda.is_available() or m.varlen_function() is None:
         return False
     return torch.cuda.get_device_capability() >= (8, 0)
 
@@ -363,7 +363,7 @@ def test_cuda_varlen_matches_per_image_sdpa():
 @cuda
 @pytest.mark.skipif(not _varlen_ready(), reason="needs varlen_attn on an sm80+ GPU")
 def test_cuda_varlen_is_batch_invariant():
-    if "num_splits" not in m.varlen_options(m.varlen_attn, 64):
+    if "num_splits" not in m.varlen_options(m.varlen_function(), 64):
         pytest.skip("this torch's varlen_attn has no num_splits")
     lengths = [300, 4096, 17, 1024]
     q, k, v = _qkv(lengths, seed=1)
