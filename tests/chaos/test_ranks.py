@@ -33,8 +33,9 @@ from deployments.app import bind_app
 APP = "chaos_ranks"
 RUN_S = 30  # load around each fault
 # A replaced or resumed rank takes work again within this. Quiet machine: 8.7-9.3 s
-# since ranks start without torch._dynamo (14-22 s before, docs/api.md). With one core kept busy and 8 clients retrying 503s at once, both ranks'
-# replacements starting together took 38 and 50 s, and once over 60 s.
+# since ranks start without torch._dynamo (14-22 s before, docs/api.md). With one core
+# kept busy and 8 clients retrying 503s at once, both ranks' replacements starting
+# together took 38 and 50 s, and once over 60 s.
 REJOIN_BOUND_S = 120
 # "At once": docs/api.md measures under 1 s on a quiet machine; the bound leaves room for
 # a loaded one and stays far below a replacement's start (about 9 s on this CPU preset).
