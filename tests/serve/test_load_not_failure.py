@@ -5,7 +5,8 @@ One rank (dp 1) serving a tiny tower at Kimi-K3's projector width (7168) with it
 feature cache on; 32 clients send JSON requests of the same 8 cached 448x448 JPEGs and
 take bfloat16 safetensors answers (29 MB each), so the ingress, the rank and Ray's
 object store are all saturated on this 2-core machine while the rank never fails.
-Every answer must be right and ``/v1/info`` must show no failover at all.
+Every answer must be right and ``/v1/info`` must show no failover under that load (its
+counters as they were after the first call, which fills the cache).
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def test_a_busy_rank_is_not_a_failed_one(url, wide_checkpoint):
     }
     with requests.Session() as session:
         first = post(session, url, body)  # the rank's cache now holds all eight
+    # The failover counters from here on. The first call is no load: it encodes the eight
+    # images on a rank that has just started, and a cold forward beside another test's
+    # load can take past slow_factor x what its calibration predicts (seen: 2.08 s against
+    # 1.12 s allowed), which is lateness by design, not the subject here.
+    before = requests.get(f"{url}/v1/info", timeout=30).json()["failover"]
     reference = VisionEncoder.from_pretrained(wide_checkpoint, device="cpu", backend="cpu")
     want = reference.encode([reference.plan(data) for data in images])
     assert sorted(first) == sorted(
@@ -108,8 +114,10 @@ def test_a_busy_rank_is_not_a_failed_one(url, wide_checkpoint):
     assert answered == CLIENTS * REQUESTS_PER_CLIENT
 
     failover = requests.get(f"{url}/v1/info", timeout=30).json()["failover"]
-    print(f"\n{answered} requests of {IMAGES} cached images by {CLIENTS} clients: {failover}")
-    assert failover["unavailable_errors"] == [0], failover
-    assert failover["hedged_images"] == 0, failover
-    assert failover["redispatched_images"] == 0, failover
+    print(
+        f"\n{answered} requests of {IMAGES} cached images by {CLIENTS} clients: {failover}; "
+        f"after the first call: {before}"
+    )
+    for counter in ("unavailable_errors", "hedged_images", "redispatched_images"):
+        assert failover[counter] == before[counter], (counter, before, failover)
     assert failover["down"] == {}, failover
