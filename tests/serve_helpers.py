@@ -158,14 +158,16 @@ def replica_pids(url: str, app: str, headers: dict | None = None) -> dict[str, i
     return pids
 
 
+def serve_actors(app: str, deployment: str) -> list[dict]:
+    """Ray's actor table rows (``Name``, ``State``, ``Pid``, ...) of every replica actor
+    of ``deployment`` in ``app`` ever started, dead ones included."""
+    tag = f"{app}#{deployment}#"
+    return [a for a in ray._private.state.actors().values() if tag in a["Name"]]
+
+
 def replica_actor_name(app: str, rank: int) -> str:
     """The actor name of the live Serve replica of ``rank`` in ``app``."""
-    tag = f"{app}#EncoderRank_{rank}#"
-    alive = [
-        a
-        for a in ray._private.state.actors().values()
-        if a["State"] == "ALIVE" and tag in a["Name"]
-    ]
+    alive = [a for a in serve_actors(app, f"EncoderRank_{rank}") if a["State"] == "ALIVE"]
     assert len(alive) == 1, [a["Name"] for a in alive]
     return alive[0]["Name"]
 
@@ -255,12 +257,7 @@ def wait_for(predicate, within_s: float, what: str, every: float = 0.2):
 def replica_actors(app: str, deployment: str, alive: bool = True) -> list[str]:
     """Names of the Serve replica actors of ``deployment`` in ``app``: the running ones,
     or (``alive=False``) every one ever started, dead ones included."""
-    tag = f"{app}#{deployment}#"
-    return [
-        a["Name"]
-        for a in ray._private.state.actors().values()
-        if tag in a["Name"] and (a["State"] == "ALIVE" or not alive)
-    ]
+    return [a["Name"] for a in serve_actors(app, deployment) if a["State"] == "ALIVE" or not alive]
 
 
 def rank_processes(app: str, ranks: int, alive: bool = True) -> dict[int, int]:

@@ -24,6 +24,7 @@ from serve_helpers import (
     kill_ranks,
     replica_actor,
     replica_actor_name,
+    serve_actors,
     wait_for,
 )
 
@@ -114,9 +115,8 @@ def test_both_ranks_killed_is_200_or_503_at_once(url, chaos_images):
 def replacement_pid(rank: int, killed: str) -> int | None:
     """The process of the replica Serve created for ``rank`` after ``killed`` (its actor
     is alive, its constructor may still run), or None while there is none."""
-    tag = f"{APP}#EncoderRank_{rank}#"
-    for a in ray._private.state.actors().values():
-        if tag in a["Name"] and a["Name"] != killed and a["State"] == "ALIVE" and a["Pid"]:
+    for a in serve_actors(APP, f"EncoderRank_{rank}"):
+        if a["Name"] != killed and a["State"] == "ALIVE" and a["Pid"]:
             return a["Pid"]
     return None
 
@@ -153,10 +153,7 @@ def test_ranks_killed_while_idle_are_refused_not_waited_for(url, chaos_images):
             )
             os.kill(pid, signal.SIGSTOP)
             stopped.append(pid)
-        items = [
-            {"type": "image", "image": b64(images[0])},
-            {"type": "image", "image": b64(images[1])},
-        ]
+        items = [{"type": "image", "image": b64(data)} for data in images[:2]]
         answers = []
         for _ in range(4):
             sent = time.monotonic()
@@ -170,15 +167,13 @@ def test_ranks_killed_while_idle_are_refused_not_waited_for(url, chaos_images):
         assert answer.status_code == 503, answer.text[:300]
         assert int(answer.headers["Retry-After"]) >= 1
         assert answer.json()["error"]["type"] == "unavailable"
-    want = [features[0], features[1]]
 
     def served() -> bool:
         answer = requests.post(f"{url}/v1/encode", json={"items": items}, timeout=60)
         if answer.status_code != 200:
             return False
-        got = [decode_features(item) for item in answer.json()["items"]]
-        for g, w in zip(got, want, strict=True):
-            np.testing.assert_allclose(g, w, rtol=0, atol=1e-5)
+        for item, want in zip(answer.json()["items"], features[:2], strict=True):
+            np.testing.assert_allclose(decode_features(item), want, rtol=0, atol=1e-5)
         return True
 
     wait_for(served, REJOIN_BOUND_S, "an answer from the resumed replacements")
