@@ -56,6 +56,20 @@ def _make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fetch(args: argparse.Namespace) -> int:
+    from .hub import HubError, HubRef, bar_progress, fetch
+
+    ref = HubRef.parse(args.checkpoint)
+    try:
+        fetched = fetch(ref, to=args.to, progress=bar_progress(str(ref)))
+    except HubError as exc:
+        print(f"kimi-encoder: {exc}", file=sys.stderr)
+        return 1
+    print(fetched.summary(), file=sys.stderr)
+    print(fetched.path)
+    return 0
+
+
 def _client(args: argparse.Namespace) -> int:
     from .client_files import run_client  # no torch or model code: only HTTP
 
@@ -95,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument(
         "--checkpoint",
         default="tiny",
-        help=f"checkpoint directory or preset ({', '.join(PRESETS)})",
+        help=f"checkpoint directory, hf://REPO[@REVISION] or preset ({', '.join(PRESETS)})",
     )
     enc.add_argument("--backend", default="auto", help="preprocessing backend: cpu, gpu or auto")
     enc.add_argument("--device", default="auto", help="torch device: auto, cpu, cuda, cuda:1 ...")
@@ -151,6 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cl.add_argument("inputs", nargs="+", metavar="INPUT", help="image files, directories, globs")
     cl.set_defaults(func=_client)
+
+    fe = sub.add_parser(
+        "fetch",
+        help="fetch a hub checkpoint's vision weights ahead of time (hf://REPO[@REVISION])",
+        description="Read only the vision tower's and projector's bytes of a Kimi checkpoint "
+        "on the Hugging Face hub (each shard's header, then those tensors' byte ranges) into "
+        "a small local checkpoint: the cache under $HF_HOME/kimi-encoder that the service "
+        "reads, or --to DIR. Honours HF_ENDPOINT, HF_TOKEN, HF_HOME and HF_HUB_OFFLINE. "
+        "Prints the directory on stdout.",
+    )
+    fe.add_argument("checkpoint", help="hf://OWNER/NAME[@REVISION], e.g. hf://moonshotai/Kimi-K3")
+    fe.add_argument("--to", help="write the checkpoint to this directory instead of the cache")
+    fe.set_defaults(func=_fetch)
 
     ck = sub.add_parser("make-checkpoint", help="write a seeded random original-format checkpoint")
     ck.add_argument("--preset", required=True, help=f"one of {', '.join(PRESETS)}")

@@ -17,6 +17,9 @@ Variant = Literal["k3", "k25"]
 FillStage = Literal["after_resize", "before_resize"]
 
 # Fields of the checkpoint's `vision_config` (sglang / original names) -> ours.
+# The processor's config in a checkpoint: its `media_proc_cfg` (REFERENCE.md).
+PREPROCESSOR_FILE = "preprocessor_config.json"
+
 _ORIGINAL_VISION_KEYS = {
     "patch_size": "patch_size",
     "vt_hidden_size": "hidden_size",
@@ -372,7 +375,7 @@ def read_checkpoint_configs(path: str | Path) -> tuple[VisionConfig, PreprocessC
             f"Kimi-K3/K2.5 checkpoint, or a preset name ({', '.join(PRESETS)})."
         )
     vision = VisionConfig.from_checkpoint_config(json.loads(config_file.read_text()))
-    proc_file = root / "preprocessor_config.json"
+    proc_file = root / PREPROCESSOR_FILE
     if not proc_file.is_file():
         raise FileNotFoundError(
             f"No preprocessor_config.json in {str(root)!r}; the resize limits and normalization "
@@ -390,15 +393,22 @@ def read_checkpoint_configs(path: str | Path) -> tuple[VisionConfig, PreprocessC
 
 
 def resolve_configs(checkpoint: str | Path) -> tuple[VisionConfig, PreprocessConfig, str]:
-    """(vision, preprocess, model name) for a preset name or a checkpoint directory."""
+    """(vision, preprocess, model name) for a preset name, a checkpoint directory or a
+    hub checkpoint (``hf://REPO[@REVISION]``: its two config files, no weights)."""
     text = str(checkpoint)
     if text in PRESETS:
         preset = PRESETS[text]
         return preset.vision, preset.preprocess, f"preset:{text}"
+    if text.startswith("hf://"):
+        from .hub import HubRef, config_dir  # the hub client only where one is named
+
+        ref = HubRef.parse(text)
+        vision, preprocess = read_checkpoint_configs(config_dir(ref))
+        return vision, preprocess, ref.repo_id
     if Path(text).is_dir():
         vision, preprocess = read_checkpoint_configs(text)
         return vision, preprocess, Path(text).resolve().name
     raise ValueError(
-        f"Checkpoint {text!r} is neither a directory nor a preset; valid presets: "
-        f"{', '.join(PRESETS)}."
+        f"Checkpoint {text!r} is neither a directory, a hub repository (hf://OWNER/NAME"
+        f"[@REVISION]) nor a preset; valid presets: {', '.join(PRESETS)}."
     )

@@ -23,6 +23,7 @@ from . import preprocess as pp
 from .config import PRESETS, PreprocessConfig, VisionConfig, resolve_configs
 from .execution import ExecutionConfig, check_execution, prepare
 from .features import AUTO_RULE, FEATURE_DTYPES, auto_dtype, dtype_name, torch_dtype
+from .hub import HubRef, fetch, is_hub, log_progress
 from .items import (
     MSG_LENGTH,
     MSG_ONE_GRID,
@@ -121,6 +122,8 @@ class VisionEncoder:
         exact_float32(self.device, self.dtype)
         self.execution = prepare(model, execution)
         self._streams = threading.local()  # per-thread CUDA streams of prepare()
+        # Where the weights came from (``from_pretrained`` sets it): /v1/info per rank.
+        self.weights: dict = {"source": "given"}
 
     @classmethod
     def from_pretrained(
@@ -132,8 +135,11 @@ class VisionEncoder:
         backend: str = "auto",
         seed: int = 0,
         execution: str | ExecutionConfig = "auto",
+        hub_progress: Callable[[int], Callable[[int], None]] | None = None,
     ) -> VisionEncoder:
-        """Load a checkpoint directory, or build a preset with seeded random weights.
+        """Load a checkpoint directory, fetch a hub checkpoint's vision weights
+        (``hf://REPO[@REVISION]``, ``kimi_encoder.hub``; its progress to the log unless
+        ``hub_progress`` is given), or build a preset with seeded random weights.
 
         ``dtype`` 'auto' follows the device (``features.auto_dtype``).
         """
@@ -143,6 +149,12 @@ class VisionEncoder:
         resolve_backend(backend, dev)
         execution = ExecutionConfig.of(execution)
         check_execution(execution, dev, dt)
+        weights: dict = {"source": str(checkpoint)}
+        if is_hub(checkpoint):  # fetched once per node and commit, then a local directory
+            ref = HubRef.parse(str(checkpoint))
+            fetched = fetch(ref, progress=hub_progress or log_progress(str(ref), log))
+            log.info("%s", fetched.summary())
+            weights, checkpoint = fetched.info(), fetched.path
         vision, preprocess, name = resolve_configs(checkpoint)
         if str(checkpoint) in PRESETS:
             log.warning(
@@ -152,9 +164,19 @@ class VisionEncoder:
                 seed,
             )
             model = random_model(vision, seed, dev, dt)
+            weights["seed"] = seed
         else:
             model = load_model(checkpoint, vision, dev, dt)
-        return cls(model, vision, preprocess, name=name, backend=backend, execution=execution)
+        encoder = cls(
+            model,
+            vision,
+            preprocess,
+            name=weights.get("repo", name),
+            backend=backend,
+            execution=execution,
+        )
+        encoder.weights = weights
+        return encoder
 
     def plan(self, data: bytes, backend: str | None = None, **limits) -> EncoderItem:
         """Admit one encoded image (header only) with this encoder's preprocessing."""
@@ -264,4 +286,5 @@ class VisionEncoder:
             "backend": self.backend,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "execution": self.execution.info(),
+            "weights": self.weights,
         }

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .config import PRESETS, PreprocessConfig, VisionConfig
+from .config import PREPROCESSOR_FILE, PRESETS, PreprocessConfig, VisionConfig
 from .features import dtype_name
 from .model import KimiVisionModel
 
@@ -32,6 +32,9 @@ START_FLOOR_S = 60.0
 # A conservative read of a checkpoint's vision weights: network storage or a cold page
 # cache, not a local NVMe drive.
 READ_BYTES_PER_S = 100e6
+# A conservative fetch of a hub checkpoint's vision ranges: one stream per range from the
+# hub's storage, not a saturated link.
+HUB_BYTES_PER_S = 50e6
 
 
 class CheckpointError(ValueError):
@@ -42,14 +45,7 @@ def vision_shards(root: Path) -> dict[str, list[str]]:
     """{shard file: [vision keys in it]} from the index, or the single file's keys."""
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} has no 'weight_map' object.")
-        shards: dict[str, list[str]] = {}
-        for key, shard in weight_map.items():
-            if key.startswith(VISION_PREFIXES):
-                shards.setdefault(shard, []).append(key)
-        return shards
+        return index_vision_shards(json.loads(index.read_text()), str(index))
     single = root / SINGLE_FILE
     if single.is_file():
         with safe_open(single, framework="pt") as f:
@@ -59,6 +55,18 @@ def vision_shards(root: Path) -> dict[str, list[str]]:
         f"No {INDEX_FILE} or {SINGLE_FILE} in {str(root)!r}; expected an original-format "
         "Kimi checkpoint (safetensors)."
     )
+
+
+def index_vision_shards(index: dict, where: str) -> dict[str, list[str]]:
+    """{shard file: [vision keys in it]} of a parsed ``model.safetensors.index.json``."""
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where} has no 'weight_map' object.")
+    shards: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        if key.startswith(VISION_PREFIXES):
+            shards.setdefault(shard, []).append(key)
+    return shards
 
 
 def vision_weight_bytes(root: str | Path) -> int:
@@ -77,20 +85,34 @@ def vision_weight_bytes(root: str | Path) -> int:
 
 def start_allowance_s(checkpoint: str) -> tuple[float, str]:
     """Seconds a rank may take to start and load ``checkpoint``, its execution's build
-    aside, and how they were priced: ``START_FLOOR_S``, plus for a directory its vision
-    weights read at ``READ_BYTES_PER_S``; a directory not readable here (the config checked
-    on a node without that mount) is priced as the largest preset's weights in float32."""
+    aside, and how they were priced: ``START_FLOOR_S``, plus its vision weights read at
+    ``READ_BYTES_PER_S``, plus for a hub checkpoint not fetched on this machine their fetch
+    at ``HUB_BYTES_PER_S``. Weights whose size cannot be read here (a directory not mounted
+    on the node that checks the config, a hub checkpoint not fetched yet) are priced as the
+    largest preset's vision weights in float32."""
     if checkpoint in PRESETS:
         return START_FLOOR_S, f"a preset: {START_FLOOR_S:g} s"
-    try:
-        size, what = vision_weight_bytes(checkpoint), "its vision weights"
-    except (OSError, ValueError, KeyError):
+    root: str | Path | None = checkpoint
+    if checkpoint.startswith("hf://"):
+        from .hub import cached_path  # the hub client only where one is named
+
+        root = cached_path(checkpoint)
+    size, what = None, "its vision weights"
+    if root is not None:
+        try:
+            size = vision_weight_bytes(root)
+        except (OSError, ValueError, KeyError):
+            size = None
+    if size is None:
         size = max(_float32_bytes(preset.vision) for preset in PRESETS.values())
         what = "not readable here, priced as the largest preset's vision weights in float32"
     seconds = START_FLOOR_S + size / READ_BYTES_PER_S
-    return seconds, (
-        f"{START_FLOOR_S:g} s + {size / 1e6:.0f} MB ({what}) at {READ_BYTES_PER_S / 1e6:g} MB/s"
-    )
+    rate = f"{READ_BYTES_PER_S / 1e6:g} MB/s"
+    priced = f"{START_FLOOR_S:g} s + {size / 1e6:.0f} MB ({what}) at {rate}"
+    if root is None:  # a hub checkpoint this machine has not fetched: a new node's start
+        seconds += size / HUB_BYTES_PER_S
+        priced += f" + their fetch from the hub at {HUB_BYTES_PER_S / 1e6:g} MB/s"
+    return seconds, priced
 
 
 def _float32_bytes(cfg: VisionConfig) -> int:
@@ -228,7 +250,7 @@ def write_checkpoint(
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     media = preprocess.to_media_proc_cfg()
-    (out / "preprocessor_config.json").write_text(
+    (out / PREPROCESSOR_FILE).write_text(
         json.dumps({"media_proc_cfg": media}, indent=2) + "\n"
     )
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt", "seed": str(seed)})

@@ -9,6 +9,7 @@ from pydantic import Field, field_validator
 from kimi_encoder.engines.media import FetchPolicy
 from kimi_encoder.execution import ExecutionConfig, check_buckets, check_mode, default_buckets
 from kimi_encoder.features import AUTO_RULE, FeatureDtype, auto_dtype
+from kimi_encoder.hub import HubRef, is_hub
 from kimi_encoder.items import resolve_backend
 
 from .base import Section
@@ -44,8 +45,10 @@ class ModelArgs(Section):
 
     checkpoint: str = Field(
         "tiny",
-        description="Kimi-K3/K2.5 checkpoint directory (original format), or a preset name "
-        "(tiny, small, k3, k25). Presets get seeded random weights: meaningless features.",
+        description="Kimi-K3/K2.5 checkpoint directory (original format), a hub repository "
+        "hf://OWNER/NAME[@REVISION] (each node fetches only its vision weights, once, into "
+        "$HF_HOME/kimi-encoder), or a preset name (tiny, small, k3, k25). Presets get seeded "
+        "random weights: meaningless features.",
     )
     seed: int = Field(0, description="Seed of the random weights of a preset checkpoint.")
     device: Literal["auto", "cpu", "cuda"] = Field(
@@ -92,6 +95,13 @@ class ModelArgs(Section):
         "steps (one compiled piece, one bucket's graphs, one timing), so auto ends at most "
         "one step past it; a mode it stops is undone and skipped.",
     )
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _hub_name(cls, value: str) -> str:
+        if is_hub(value):
+            HubRef.parse(value)  # raises the library's malformed-name error
+        return value
 
     @field_validator("preprocess_backend")
     @classmethod
