@@ -169,6 +169,7 @@ class Hub:
     token: str | bool | None = None  # None: HF_TOKEN or the saved login
     offline: bool | None = None  # None: HF_HUB_OFFLINE
     cache_dir: Path | None = None  # None: default_cache_dir()
+    hub_cache_dir: Path | None = None  # huggingface_hub's own cache; None: HF_HUB_CACHE
 
     def is_offline(self) -> bool:
         if self.offline is not None:
@@ -279,6 +280,7 @@ def _small_file(hub: Hub, ref: HubRef, commit: str, filename: str) -> Path:
                 revision=commit,
                 endpoint=hub.endpoint,
                 token=hub.token,
+                cache_dir=hub.hub_cache_dir,
                 library_name="kimi-encoder",
             )
         )
