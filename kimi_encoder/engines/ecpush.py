@@ -92,11 +92,15 @@ def check_put(header: Any, payload_bytes: int) -> tuple[str, str, tuple[int, int
     return mm_hash, dtype, (shape[0], shape[1])
 
 
-def reply(push_id: Any, mm_hash: Any, status: str, message: str = "", retry_after_s=None):
-    """A worker's answer to one push, as frames."""
+def reply(
+    push_id: Any, mm_hash: Any, status: str, message: str = "", retry_after_s=None, worker=None
+):
+    """A worker's answer to one push, as frames; ``worker``: its counts in its epoch."""
     body = {"id": push_id, "mm_hash": mm_hash, "status": status, "message": message}
     if retry_after_s is not None:
         body["retry_after_s"] = retry_after_s
+    if worker is not None:
+        body["worker"] = worker
     return [MAGIC, json.dumps(body).encode()]
 
 
@@ -110,9 +114,22 @@ class DestinationStats:
     acks: int = 0
     busy: int = 0
     failures: int = 0
+    # What the worker said with its last answer: its epoch, items and bytes staged now,
+    # and since it started staged, loaded, loaded_again, released, expired, evicted.
+    worker: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0  # answers that came from a new epoch
+    lost: int = 0  # items a worker held when last heard from before it restarted
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "worker": dict(self.worker)}
+
+    def heard(self, worker: Any) -> None:
+        if not isinstance(worker, dict):
+            return
+        if self.worker and worker.get("epoch") != self.worker.get("epoch"):
+            self.restarts += 1
+            self.lost += int(self.worker.get("items", 0))
+        self.worker = worker
 
 
 @dataclass
@@ -216,6 +233,7 @@ class EcPusher:
     @staticmethod
     def _answered(got: dict, endpoint: str, stats: DestinationStats, what: str, nbytes: int):
         status = got.get("status")
+        stats.heard(got.get("worker"))
         if status == "ok":
             stats.acks += 1
             return nbytes
@@ -282,7 +300,7 @@ class EcPusher:
                 entry.reader.cancel()
             entry.socket.close(linger=0)
 
-    def info(self) -> dict[str, dict[str, int]]:
+    def info(self) -> dict[str, dict[str, Any]]:
         return {endpoint: stats.as_dict() for endpoint, stats in sorted(self.stats.items())}
 
     def close(self) -> None:

@@ -2,17 +2,24 @@
 learns of it. Plain threads and ZMQ sockets; no vLLM here (``vllm_connector`` adapts
 these to vLLM's connector interface) and no Ray.
 
-- ``Staging``: tensors by mm_hash, bounded in bytes, each kept ``ttl_s`` unless taken.
+- ``Staging``: tensors by mm_hash, bounded in bytes, and the unfinished requests that
+  name each one. An item stays while a request names it (it can be loaded again, after
+  a preemption or once vLLM's encoder cache dropped it); it goes when the last of them
+  finishes, after ``ttl_s`` with no request naming it, or, when a push needs the room,
+  oldest unreferenced first.
 - ``Receiver``: a thread with a ROUTER socket bound at the worker's address. A push is
   copied once into a tensor of its own, staged, and only then answered ``ok``; a push
-  that does not fit is answered ``busy`` at once, never staged half. Each staged or
-  expired item is an event with a sequence number, and a scheduler's ``watch`` request
-  is answered with the events after the one it last saw (held until there is one, or
-  ``WATCH_HOLD_S``).
+  that does not fit even after evicting every unreferenced item is answered ``busy`` at
+  once, never staged half. Each change (staged, gone and why, a request's hold
+  applied) is an event with a sequence number, and a scheduler's ``watch`` request is
+  answered with the events after the one it last saw (held until there is one, or
+  ``WATCH_HOLD_S``), or, if it fell behind the ``MAX_EVENTS`` remembered or names
+  another epoch, with the whole current state: no count of pushes hides an item.
 - ``Watcher``: the scheduler's view, one DEALER socket per worker of its engine and one
   ``watch`` outstanding on each; ``drain()`` reads whatever answers have come without
   waiting, so the scheduler never blocks on it. An item is present once every worker
-  staged it.
+  staged it; a request is safe to schedule once every worker also confirmed its hold
+  (from then on nothing it names is dropped until it is released).
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ import logging
 import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -37,67 +44,155 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {name: torch_dtype(name) for name in FEATURE_DTYPES}
 WATCH_HOLD_S = 0.5  # a watch with nothing new is answered after this (liveness)
 POLL_MS = 50
-MAX_EVENTS = 4096  # events a worker remembers for watchers behind it
+MAX_EVENTS = 4096  # events a worker remembers; a watcher further behind gets the state
+MAX_FATES = 4 * MAX_EVENTS  # why recent items left, per worker, for the failure message
+# Why an item left a worker (the ``gone`` event's reason).
+RELEASED, EXPIRED, EVICTED, LOST, UNSEEN = "released", "expired", "evicted", "lost", "unseen"
+COUNTS = ("staged", "loaded", "loaded_again", RELEASED, EXPIRED, EVICTED)
 
 
 @dataclass
 class Staged:
     tensor: torch.Tensor
     staged_at: float
+    idle_since: float | None  # unreferenced since (None while a request names it)
+    claimed: bool = False  # a request named it after this push
+    loads: int = 0
 
 
+@dataclass
 class Staging:
-    """Received tensors by mm_hash: at most ``capacity_bytes`` held, each ``ttl_s``."""
+    """Received tensors by mm_hash (at most ``capacity_bytes``) and the requests that name
+    them. Thread-safe: the receive thread stages and drops, the worker loads."""
 
-    def __init__(self, capacity_bytes: int, ttl_s: float):
-        if capacity_bytes < 1 or not ttl_s > 0:
+    capacity_bytes: int
+    ttl_s: float
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTS, 0))
+    _items: OrderedDict[str, Staged] = field(default_factory=OrderedDict, repr=False)
+    _refs: dict[str, set[str]] = field(default_factory=dict, repr=False)  # hash -> requests
+    _named: dict[str, set[str]] = field(default_factory=dict, repr=False)  # request -> hashes
+    _held: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes < 1 or not self.ttl_s > 0:
             raise ValueError(
-                f"staging needs a positive capacity and TTL, got {capacity_bytes} bytes and "
-                f"{ttl_s} s; set ec_buffer_size and staged_ttl_s above 0."
+                f"staging needs a positive capacity and TTL, got {self.capacity_bytes} bytes "
+                f"and {self.ttl_s} s; set ec_buffer_size and staged_ttl_s above 0."
             )
-        self.capacity_bytes = capacity_bytes
-        self.ttl_s = ttl_s
-        self._items: OrderedDict[str, Staged] = OrderedDict()
-        self._held = 0
-        self._lock = threading.Lock()
 
     @property
     def held_bytes(self) -> int:
         return self._held
 
-    def fits(self, nbytes: int, mm_hash: str) -> bool:
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def referenced_bytes(self) -> int:
+        with self._lock:
+            return sum(s.tensor.nbytes for h, s in self._items.items() if self._refs.get(h))
+
+    def make_room(self, nbytes: int, mm_hash: str) -> list[str] | None:
+        """Evict unreferenced items, oldest first, until ``nbytes`` more fit (an item of
+        the same hash is replaced, so its bytes count as free); their hashes, or None (and
+        nothing evicted) if it cannot fit even then."""
         with self._lock:
             old = self._items.get(mm_hash)
-            return self._held - (old.tensor.nbytes if old else 0) + nbytes <= self.capacity_bytes
+            need = self._held - (old.tensor.nbytes if old else 0) + nbytes - self.capacity_bytes
+            victims = []
+            for key, staged in self._items.items():
+                if need <= 0:
+                    break
+                if key == mm_hash or self._refs.get(key):
+                    continue
+                victims.append(key)
+                need -= staged.tensor.nbytes
+            if need > 0:
+                return None
+            for key in victims:
+                self._drop(key, EVICTED)
+            return victims
 
     def put(self, mm_hash: str, tensor: torch.Tensor, now: float) -> None:
-        """Stage ``tensor`` (replacing an earlier one of the same hash)."""
+        """Stage ``tensor``. The requests already waiting for it claim it; one that
+        replaces an item still here (the same uuid pushed again for a later request)
+        waits for a request named after it, so an earlier holder finishing keeps it."""
         with self._lock:
             old = self._items.pop(mm_hash, None)
             self._held += tensor.nbytes - (old.tensor.nbytes if old else 0)
-            self._items[mm_hash] = Staged(tensor, now)
+            named = bool(self._refs.get(mm_hash))
+            staged = Staged(tensor, now, None if named else now, claimed=named and old is None)
+            staged.loads = old.loads if old else 0
+            self._items[mm_hash] = staged
+            self.counts["staged"] += 1
 
-    def take(self, mm_hash: str) -> torch.Tensor | None:
-        """The staged tensor, no longer staged; None if it is not (or no longer) here."""
+    def hold(self, request_id: str, mm_hashes: Iterable[str]) -> None:
+        """``request_id`` names these items: they stay until it is released."""
         with self._lock:
-            staged = self._items.pop(mm_hash, None)
+            named = self._named.setdefault(request_id, set())
+            for mm_hash in mm_hashes:
+                named.add(mm_hash)
+                self._refs.setdefault(mm_hash, set()).add(request_id)
+                staged = self._items.get(mm_hash)
+                if staged is not None:
+                    staged.claimed, staged.idle_since = True, None
+
+    def release(self, request_id: str, now: float) -> list[str]:
+        """``request_id`` finished; the hashes dropped because no request names them now."""
+        dropped = []
+        with self._lock:
+            for mm_hash in self._named.pop(request_id, ()):
+                refs = self._refs.get(mm_hash)
+                refs.discard(request_id)
+                if refs:
+                    continue
+                del self._refs[mm_hash]
+                staged = self._items.get(mm_hash)
+                if staged is None:
+                    continue
+                if staged.claimed:
+                    self._drop(mm_hash, RELEASED)
+                    dropped.append(mm_hash)
+                else:  # pushed again since its request named it: wait for the next one
+                    staged.idle_since = now
+        return dropped
+
+    def requests(self) -> list[str]:
+        with self._lock:
+            return list(self._named)
+
+    def get(self, mm_hash: str) -> torch.Tensor | None:
+        """The staged tensor, left staged (loaded again if vLLM asks again); None if it
+        is not (or no longer) here."""
+        with self._lock:
+            staged = self._items.get(mm_hash)
             if staged is None:
                 return None
-            self._held -= staged.tensor.nbytes
+            self.counts["loaded_again" if staged.loads else "loaded"] += 1
+            staged.loads += 1
             return staged.tensor
 
     def expire(self, now: float) -> list[str]:
-        """Drop what has been staged longer than ``ttl_s``; their hashes."""
-        gone = []
+        """Drop what no request has named for ``ttl_s``; their hashes."""
         with self._lock:
-            while self._items:
-                mm_hash, staged = next(iter(self._items.items()))
-                if now - staged.staged_at < self.ttl_s:
-                    break
-                del self._items[mm_hash]
-                self._held -= staged.tensor.nbytes
-                gone.append(mm_hash)
+            gone = [
+                key
+                for key, staged in self._items.items()
+                if staged.idle_since is not None and now - staged.idle_since >= self.ttl_s
+            ]
+            for key in gone:
+                self._drop(key, EXPIRED)
         return gone
+
+    def snapshot(self) -> dict[str, int]:
+        """Rows of every staged item, by hash."""
+        with self._lock:
+            return {key: staged.tensor.shape[0] for key, staged in self._items.items()}
+
+    def _drop(self, mm_hash: str, why: str) -> None:
+        staged = self._items.pop(mm_hash)
+        self._held -= staged.tensor.nbytes
+        self.counts[why] += 1
 
 
 class Receiver:
@@ -121,15 +216,33 @@ class Receiver:
                 f"cannot listen for pushed features at {self.address} ({exc}); free the "
                 "port, or give the consumer another ec_ip/ec_port."
             ) from None
-        self._events: list[tuple[int, str, str, int]] = []  # (seq, kind, mm_hash, rows)
+        # (seq, kind, key, detail): ("staged", mm_hash, rows), ("gone", mm_hash, why),
+        # ("held", request_id, 0)
+        self._events: deque[tuple[int, str, str, int | str]] = deque(maxlen=MAX_EVENTS)
         self._seq = 0
-        self._watches: list[tuple[bytes, int, float]] = []  # (peer, after, since)
+        self._watches: list[tuple[bytes, int, str | None, float]] = []  # peer, after, epoch
+        self._releases: list[tuple[str, int]] = []  # (request, after_step) not yet applied
+        self._loaded_step = 0  # the last step whose loads this worker made (its own thread)
         self._stop = threading.Event()
         self.received = 0
         self.refused = 0
         self.busy = 0
         self._thread = threading.Thread(target=self._run, name="kimi-ec-receiver", daemon=True)
         self._thread.start()
+
+    def loaded_through(self, step: int) -> None:
+        """The worker made every load of the scheduler's steps up to ``step``: releases
+        sent after them may drop what they loaded."""
+        self._loaded_step = max(self._loaded_step, step)
+
+    def stats(self) -> dict[str, int | str]:
+        """What this worker holds and has done in its epoch."""
+        return {
+            "epoch": self.epoch,
+            "items": len(self.staging),
+            "held_bytes": self.staging.held_bytes,
+            **self.staging.counts,
+        }
 
     def close(self) -> None:
         self._stop.set()
@@ -144,9 +257,10 @@ class Receiver:
                 frames = self._socket.recv_multipart(copy=False)
                 self._handle(frames)
             now = time.monotonic()
+            self._apply_releases(now)
             for mm_hash in self.staging.expire(now):
                 log.warning("staged features of %s were never asked for; dropped", mm_hash)
-                self._event("gone", mm_hash, 0)
+                self._event("gone", mm_hash, EXPIRED)
             self._answer_watches(now)
 
     def _handle(self, frames: Sequence[zmq.Frame]) -> None:
@@ -157,10 +271,9 @@ class Receiver:
             header = json.loads(frames[2].bytes)
         except ValueError:
             header = None
-        if isinstance(header, dict) and header.get("op") == "watch" and len(frames) == 3:
-            # One watch per scheduler: a later one (asked again) replaces it.
-            self._watches = [w for w in self._watches if w[0] != peer]
-            self._watches.append((peer, int(header.get("after", 0)), time.monotonic()))
+        op = header.get("op") if isinstance(header, dict) else None
+        if op in ("watch", "hold", "release") and len(frames) == 3:
+            self._scheduler_op(peer, header)
             return
         payload = frames[3].buffer if len(frames) == 4 else None
         push_id = header.get("id") if isinstance(header, dict) else None
@@ -173,50 +286,97 @@ class Receiver:
             self.refused += 1
             self._socket.send_multipart([peer, *reply(push_id, mm_hash, "refused", str(exc))])
             return
-        if not self.staging.fits(payload.nbytes, mm_hash):
+        evicted = self.staging.make_room(payload.nbytes, mm_hash)
+        if evicted is None:
             self.busy += 1
             message = (
                 f"staging holds {self.staging.held_bytes} of {self.staging.capacity_bytes} "
-                f"bytes; this item needs {payload.nbytes}"
+                f"bytes, {self.staging.referenced_bytes()} of them named by unfinished "
+                f"requests; this item needs {payload.nbytes}"
             )
             retry = BUSY_RETRY_AFTER_S
-            self._socket.send_multipart([peer, *reply(push_id, mm_hash, "busy", message, retry)])
+            answer = reply(push_id, mm_hash, "busy", message, retry, worker=self.stats())
+            self._socket.send_multipart([peer, *answer])
             return
+        for key in evicted:
+            log.warning(
+                "staged features of %s dropped unclaimed to make room under ec_buffer_size=%d",
+                key,
+                self.staging.capacity_bytes,
+            )
+            self._event("gone", key, EVICTED)
         tensor = torch.empty(shape, dtype=TORCH_DTYPES[dtype])
         tensor.view(torch.uint8).numpy().reshape(-1)[:] = memoryview(payload).cast("B")
         self.staging.put(mm_hash, tensor, time.monotonic())
         self.received += 1
         self._event("staged", mm_hash, shape[0])
-        self._socket.send_multipart([peer, *reply(push_id, mm_hash, "ok")])
+        self._socket.send_multipart([peer, *reply(push_id, mm_hash, "ok", worker=self.stats())])
 
-    def _event(self, kind: str, mm_hash: str, rows: int) -> None:
+    def _scheduler_op(self, peer: bytes, header: dict) -> None:
+        op = header["op"]
+        if op == "watch":
+            # One watch per scheduler: a later one (asked again) replaces it.
+            self._watches = [w for w in self._watches if w[0] != peer]
+            after, epoch = int(header.get("after", 0)), header.get("epoch")
+            self._watches.append((peer, after, epoch, time.monotonic()))
+            return
+        request = str(header.get("request", ""))
+        if op == "hold":
+            self.staging.hold(request, [str(h) for h in header.get("mm_hashes", [])])
+            self._event("held", request, 0)
+        elif header.get("epoch") != self.epoch:
+            # Held in an earlier epoch: this worker made none of that scheduler's loads.
+            self._releases.append((request, 0))
+        else:
+            self._releases.append((request, int(header.get("after_step", 0))))
+
+    def _apply_releases(self, now: float) -> None:
+        """Releases whose loads this worker has made (a request finished while a step
+        that loads for it was still on its way must not lose the item before it)."""
+        if not self._releases:
+            return
+        waiting = []
+        for request, after_step in self._releases:
+            if after_step > self._loaded_step:
+                waiting.append((request, after_step))
+                continue
+            for mm_hash in self.staging.release(request, now):
+                self._event("gone", mm_hash, RELEASED)
+        self._releases = waiting
+
+    def _event(self, kind: str, key: str, detail: int | str) -> None:
         self._seq += 1
-        self._events.append((self._seq, kind, mm_hash, rows))
-        if len(self._events) > MAX_EVENTS:
-            del self._events[: len(self._events) - MAX_EVENTS]
+        self._events.append((self._seq, kind, key, detail))
         self._answer_watches(time.monotonic())
 
     def _answer_watches(self, now: float) -> None:
         kept = []
-        for peer, after, since in self._watches:
-            events = [e for e in self._events if e[0] > after]
-            if not events and now - since < WATCH_HOLD_S:
-                kept.append((peer, after, since))
+        first = self._events[0][0] if self._events else self._seq + 1
+        for peer, after, epoch, since in self._watches:
+            if epoch != self.epoch or after + 1 < first or after > self._seq:
+                # A new watcher, one of another epoch, or one further behind than the
+                # events remembered: the whole state, then events from there.
+                body = {
+                    "op": "state",
+                    "epoch": self.epoch,
+                    "last": self._seq,
+                    "staged": self.staging.snapshot(),
+                    "held": self.staging.requests(),
+                }
+            elif after < self._seq or now - since >= WATCH_HOLD_S:
+                events = [e for e in self._events if e[0] > after] if after < self._seq else []
+                body = {"op": "events", "epoch": self.epoch, "last": self._seq, "events": events}
+            else:
+                kept.append((peer, after, epoch, since))
                 continue
-            first = self._events[0][0] if self._events else self._seq + 1
-            body = {
-                "op": "events",
-                "epoch": self.epoch,
-                "last": self._seq,
-                "lost": after + 1 < first and after < self._seq,  # fell behind MAX_EVENTS
-                "events": events,
-            }
             self._socket.send_multipart([peer, MAGIC, json.dumps(body).encode()])
         self._watches = kept
 
 
 class Watcher:
-    """A scheduler's view of what its engine's workers (``addresses``) have staged."""
+    """A scheduler's view of what its engine's workers (``addresses``) have staged, and its
+    holds on them: ``hold(request, hashes)`` when a request first names items,
+    ``release(request, after_step)`` when it finishes."""
 
     def __init__(self, addresses: Sequence[str]):
         self.addresses = list(addresses)
@@ -229,25 +389,85 @@ class Watcher:
             sock.setsockopt(zmq.IMMEDIATE, 1)  # no watches queued for a worker not there
             sock.connect(address)
             self._sockets.append(sock)
-        self._after = [0] * len(self.addresses)
-        self._epoch: list[str | None] = [None] * len(self.addresses)
-        self._asked_at: list[float | None] = [None] * len(self.addresses)
-        # mm_hash -> rows, per worker
-        self._staged: list[dict[str, int]] = [{} for _ in self.addresses]
-        for index in range(len(self.addresses)):
+        n = len(self.addresses)
+        self._after = [0] * n
+        self._epoch: list[str | None] = [None] * n
+        self._asked_at: list[float | None] = [None] * n
+        self._staged: list[dict[str, int]] = [{} for _ in range(n)]  # mm_hash -> rows
+        self._held: list[set[str]] = [set() for _ in range(n)]  # holds the worker applied
+        self._sent: list[set[str]] = [set() for _ in range(n)]  # holds sent this epoch
+        self._fates: list[OrderedDict[str, str]] = [OrderedDict() for _ in range(n)]
+        self._unsent: list[list[bytes]] = [[] for _ in range(n)]  # releases to send
+        self._holds: dict[str, list[str]] = {}  # request -> the hashes it names
+        self.lost: list[tuple[int, set[str]]] = []  # (worker, hashes) a restart took
+        self.counts = dict.fromkeys((*COUNTS[:1], *COUNTS[3:], LOST), 0)
+        for index in range(n):
             self._ask(index)
 
+    # The scheduler's holds
+
+    def hold(self, request_id: str, mm_hashes: Iterable[str]) -> None:
+        """``request_id`` names these items until it is released (sent at the next drain)."""
+        self._holds[request_id] = sorted(set(mm_hashes))
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._holds
+
+    def named(self, request_id: str) -> list[str]:
+        """The hashes a held request names."""
+        return self._holds.get(request_id, [])
+
+    def release(self, request_id: str, after_step: int) -> None:
+        """``request_id`` finished; the workers drop what it alone named once they made
+        the loads of every step up to ``after_step``."""
+        if self._holds.pop(request_id, None) is None:
+            return
+        for index in range(len(self.addresses)):
+            self._held[index].discard(request_id)
+            if request_id in self._sent[index]:
+                self._sent[index].discard(request_id)
+                body = {"op": "release", "request": request_id, "after_step": after_step}
+                body["epoch"] = self._epoch[index]
+                self._unsent[index].append(json.dumps(body).encode())
+        self._send_pending()
+
+    def held(self, request_id: str) -> bool:
+        """Whether every worker confirmed ``request_id``'s hold."""
+        return all(request_id in held for held in self._held)
+
+    # Reading the workers
+
     def _ask(self, index: int) -> None:
-        body = json.dumps({"op": "watch", "after": self._after[index]}).encode()
+        body = {"op": "watch", "after": self._after[index], "epoch": self._epoch[index]}
+        if self._send(index, json.dumps(body).encode()):
+            self._asked_at[index] = time.monotonic()
+        else:  # not connected (yet): asked at the next drain, never blocking
+            self._asked_at[index] = None
+
+    def _send(self, index: int, body: bytes) -> bool:
         try:
             self._sockets[index].send_multipart([MAGIC, body], zmq.NOBLOCK)
-        except zmq.Again:  # not connected (yet): asked at the next drain, never blocking
-            self._asked_at[index] = None
-            return
-        self._asked_at[index] = time.monotonic()
+        except zmq.Again:
+            return False
+        return True
+
+    def _send_pending(self) -> None:
+        for index in range(len(self.addresses)):
+            while self._unsent[index] and self._send(index, self._unsent[index][0]):
+                self._unsent[index].pop(0)
+            if self._epoch[index] is None:
+                continue  # holds go once the worker's state is known (its epoch)
+            for request_id, hashes in self._holds.items():
+                if request_id in self._sent[index]:
+                    continue
+                body = {"op": "hold", "request": request_id, "mm_hashes": hashes}
+                if not self._send(index, json.dumps(body).encode()):
+                    break
+                self._sent[index].add(request_id)
 
     def drain(self) -> None:
-        """Read every answer that has come, without waiting, and watch again."""
+        """Read every answer that has come, without waiting, watch again, and send the
+        holds and releases not sent yet."""
         for index, sock in enumerate(self._sockets):
             while True:
                 try:
@@ -261,21 +481,60 @@ class Watcher:
             asked_at = self._asked_at[index]
             if asked_at is None or time.monotonic() - asked_at > 10 * WATCH_HOLD_S + 5:
                 self._ask(index)
+        self._send_pending()
 
     def _apply(self, index: int, body: dict) -> None:
-        staged = self._staged[index]
-        if body.get("epoch") != self._epoch[index] or body.get("lost"):
-            # A new worker (or one we fell behind): what it held before is gone.
-            if self._epoch[index] is not None:
-                log.warning("worker %s restarted or was lost track of", self.addresses[index])
-            staged.clear()
-            self._epoch[index] = body.get("epoch")
-        for _, kind, mm_hash, rows in body.get("events", []):
-            if kind == "staged":
-                staged[mm_hash] = rows
-            else:
-                staged.pop(mm_hash, None)
+        if body.get("op") == "state":
+            self._apply_state(index, body)
+        elif body.get("epoch") == self._epoch[index]:
+            self._apply_events(index, body.get("events", []))
+        else:
+            return  # an answer from before a restart: the state comes next
         self._after[index] = int(body.get("last", self._after[index]))
+
+    def _apply_state(self, index: int, body: dict) -> None:
+        staged = self._staged[index]
+        now_staged = {str(k): int(v) for k, v in body.get("staged", {}).items()}
+        gone = set(staged) - set(now_staged)
+        if body.get("epoch") == self._epoch[index]:
+            self._fate(index, gone, UNSEEN)  # left while this scheduler was behind
+        else:
+            if self._epoch[index] is not None:
+                address = self.addresses[index]
+                log.warning("worker %s restarted: %d staged items lost", address, len(gone))
+                self._fate(index, gone, LOST)
+                self.counts[LOST] += len(gone)
+                if gone:
+                    self.lost.append((index, gone))
+            self._epoch[index] = body.get("epoch")
+            self._sent[index] = set()  # the holds go to this worker again
+            self._unsent[index] = []
+        staged.clear()
+        staged.update(now_staged)
+        self._held[index] = set(body.get("held", [])) & set(self._holds)
+
+    def _apply_events(self, index: int, events: list) -> None:
+        staged, fates = self._staged[index], self._fates[index]
+        for _, kind, key, detail in events:
+            if kind == "staged":
+                staged[key] = int(detail)
+                fates.pop(key, None)
+                self.counts["staged"] += 1
+            elif kind == "gone":
+                staged.pop(key, None)
+                self._fate(index, [key], str(detail))
+                if detail in self.counts:
+                    self.counts[detail] += 1
+            elif kind == "held" and key in self._holds:
+                self._held[index].add(key)
+
+    def _fate(self, index: int, keys: Iterable[str], why: str) -> None:
+        fates = self._fates[index]
+        for key in keys:
+            fates.pop(key, None)
+            fates[key] = why
+        while len(fates) > MAX_FATES:
+            fates.popitem(last=False)
 
     def rows(self, mm_hash: str) -> int | None:
         """The item's rows once every worker staged it (all the same), else None."""
@@ -287,10 +546,13 @@ class Watcher:
     def staged_on(self, mm_hash: str) -> int:
         return sum(mm_hash in staged for staged in self._staged)
 
-    def taken(self, mm_hash: str) -> None:
-        """The workers take the item into the encoder cache: no longer staged."""
-        for staged in self._staged:
-            staged.pop(mm_hash, None)
+    def fate(self, mm_hash: str) -> tuple[str, str] | None:
+        """(worker address, why it left) for an item a worker no longer holds; None if
+        no worker that lacks it is known to have had it."""
+        for index, staged in enumerate(self._staged):
+            if mm_hash not in staged and mm_hash in self._fates[index]:
+                return self.addresses[index], self._fates[index][mm_hash]
+        return None
 
     def close(self) -> None:
         self._context.destroy(linger=0)

@@ -72,17 +72,21 @@ def test_pushed_items_are_staged_bit_for_bit(receiver, dtype):
 
     sent, pusher = run(push())
     assert sent == array.nbytes
-    assert pusher.info()[rx.address] == {
+    info = pusher.info()[rx.address]
+    assert {k: info[k] for k in ("pushes", "bytes", "acks", "busy", "failures")} == {
         "pushes": 1,
         "bytes": array.nbytes,
         "acks": 1,
         "busy": 0,
         "failures": 0,
     }
-    staged = rx.staging.take("chat-1-image-0")
+    assert info["worker"] == rx.stats()  # what the worker said with its answer
+    assert (info["worker"]["staged"], info["worker"]["items"]) == (1, 1)
+    staged = rx.staging.get("chat-1-image-0")
     assert staged.dtype == dtype
     assert torch.equal(staged, features)
-    assert rx.staging.take("chat-1-image-0") is None  # taken once
+    assert rx.staging.get("chat-1-image-0") is staged  # left staged: it can load again
+    assert (rx.staging.counts["loaded"], rx.staging.counts["loaded_again"]) == (1, 1)
 
 
 def test_a_full_staging_answers_busy_and_stages_nothing(receiver):
@@ -96,7 +100,7 @@ def test_a_full_staging_answers_busy_and_stages_nothing(receiver):
             with pytest.raises(
                 EcPushBusy,
                 match=r"item 1: .* is full .*staging holds 800 of "
-                r"1000 bytes; this item needs 1600",
+                r"1000 bytes, 0 of them named by unfinished requests; this item needs 1600",
             ) as caught:
                 await pusher.push(rx.address, "b", big, "float32", "item 1")
             assert caught.value.retry_after_s == 1
@@ -105,7 +109,7 @@ def test_a_full_staging_answers_busy_and_stages_nothing(receiver):
             pusher.close()
 
     assert run(push())["busy"] == 1
-    assert rx.staging.take("b") is None
+    assert rx.staging.get("b") is None
     assert rx.busy == 1
 
 
@@ -249,8 +253,6 @@ def test_the_watcher_sees_items_staged_on_every_worker(receiver):
         run(push(b.address, "img"))
         wait_until(lambda: seen_on(2))
         assert watcher.rows("img") == 3
-        watcher.taken("img")
-        assert watcher.rows("img") is None
     finally:
         watcher.close()
 
@@ -319,10 +321,15 @@ def test_a_scheduler_asking_again_holds_one_watch(receiver):
     sock = context.socket(zmq.DEALER)
     sock.connect(rx.address)
     try:
-        for _ in range(5):  # asked again while the first waits: one answer, not five
-            sock.send_multipart([MAGIC, json.dumps({"op": "watch", "after": 0}).encode()])
+        sock.send_multipart([MAGIC, json.dumps({"op": "watch", "after": 0}).encode()])
         assert sock.poll(5000)
-        sock.recv_multipart()
+        state = json.loads(sock.recv_multipart()[1])  # a new watcher gets the state first
+        assert (state["op"], state["epoch"], state["staged"]) == ("state", rx.epoch, {})
+        watch = {"op": "watch", "after": state["last"], "epoch": rx.epoch}
+        for _ in range(5):  # asked again while the first waits: one answer, not five
+            sock.send_multipart([MAGIC, json.dumps(watch).encode()])
+        assert sock.poll(5000)
+        assert json.loads(sock.recv_multipart()[1])["events"] == []
         assert not sock.poll(1500)
     finally:
         context.destroy(linger=0)
