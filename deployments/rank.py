@@ -21,6 +21,7 @@ from kimi_encoder.engines.sglang import push_frames
 from kimi_encoder.engines.transport import ZmqPusher
 from kimi_encoder.engines.vllm import write_ec_array
 from kimi_encoder.features import dtype_name, storage_dtype, to_numpy
+from kimi_encoder.hub import is_hub
 
 from .args import ModelArgs, RankArgs
 from .batcher import RankBatcher
@@ -96,6 +97,8 @@ class EncoderRank:
         num_threads = ranks.num_threads
         torch.set_num_threads(num_threads)
         started = time.perf_counter()
+        # A hub checkpoint's fetch reports to this replica's log (its progress, what it read).
+        hub = {"hub_log": log} if is_hub(model.checkpoint) else {}
         self.encoder = encoder_factory(
             model.checkpoint,
             device=model.device,
@@ -103,6 +106,7 @@ class EncoderRank:
             backend=model.preprocess_backend,
             seed=model.seed,
             execution=model.execution_config(ranks.batching.max_batch_patches, num_threads),
+            **hub,
         )
         if ranks.cache_bytes:
             store = node_object_store_bytes()

@@ -135,11 +135,11 @@ class VisionEncoder:
         backend: str = "auto",
         seed: int = 0,
         execution: str | ExecutionConfig = "auto",
-        hub_progress: Callable[[int], Callable[[int], None]] | None = None,
+        hub_log: logging.Logger = log,
     ) -> VisionEncoder:
         """Load a checkpoint directory, fetch a hub checkpoint's vision weights
-        (``hf://REPO[@REVISION]``, ``kimi_encoder.hub``; its progress to the log unless
-        ``hub_progress`` is given), or build a preset with seeded random weights.
+        (``hf://REPO[@REVISION]``, ``kimi_encoder.hub``; its progress and what it read to
+        ``hub_log``), or build a preset with seeded random weights.
 
         ``dtype`` 'auto' follows the device (``features.auto_dtype``).
         """
@@ -152,8 +152,8 @@ class VisionEncoder:
         weights: dict = {"source": str(checkpoint)}
         if is_hub(checkpoint):  # fetched once per node and commit, then a local directory
             ref = HubRef.parse(str(checkpoint))
-            fetched = fetch(ref, progress=hub_progress or log_progress(str(ref), log))
-            log.info("%s", fetched.summary())
+            fetched = fetch(ref, progress=log_progress(str(ref), hub_log))
+            hub_log.info("%s", fetched.summary())
             weights, checkpoint = fetched.info(), fetched.path
         vision, preprocess, name = resolve_configs(checkpoint)
         if str(checkpoint) in PRESETS:
