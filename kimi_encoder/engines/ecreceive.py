@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 TORCH_DTYPES = {name: torch_dtype(name) for name in FEATURE_DTYPES}
 WATCH_HOLD_S = 0.5  # a watch with nothing new is answered after this (liveness)
 POLL_MS = 50
+REASK_S = 4 * WATCH_HOLD_S  # a watch unanswered this long went to a worker now gone
 MAX_EVENTS = 4096  # events a worker remembers; a watcher further behind gets the state
 MAX_FATES = 4 * MAX_EVENTS  # why recent items left, per worker, for the failure message
 # Why an item left a worker (the ``gone`` event's reason).
@@ -477,9 +478,10 @@ class Watcher:
                 if len(frames) == 2 and frames[0] == MAGIC:
                     self._apply(index, json.loads(frames[1]))
                     self._ask(index)
-            # Not asked yet (no connection then), or a watch lost to a restarted worker.
+            # Not asked yet (no connection then), or a watch lost to a restarted worker
+            # (a live one answers within WATCH_HOLD_S; asking twice keeps one watch).
             asked_at = self._asked_at[index]
-            if asked_at is None or time.monotonic() - asked_at > 10 * WATCH_HOLD_S + 5:
+            if asked_at is None or time.monotonic() - asked_at > REASK_S:
                 self._ask(index)
         self._send_pending()
 
@@ -509,6 +511,7 @@ class Watcher:
             self._epoch[index] = body.get("epoch")
             self._sent[index] = set()  # the holds go to this worker again
             self._unsent[index] = []
+        self.counts["staged"] += len(set(now_staged) - set(staged))  # new to this view
         staged.clear()
         staged.update(now_staged)
         self._held[index] = set(body.get("held", [])) & set(self._holds)

@@ -55,21 +55,37 @@ def _free_port() -> int:
 class Consumer:
     """A vLLM consumer engine's two connector sides, built by vLLM's factory."""
 
-    def __init__(self, port: int, **extra):
+    def __init__(self, port: int, ec_buffer_size: int = 1 << 30, **extra):
         self.port = port
-        config = VllmConfig(
+        self.config = VllmConfig(
             ec_transfer_config=ECTransferConfig(
                 ec_connector="KimiEncoderConnector",
                 ec_connector_module_path=MODULE,
                 ec_role="ec_consumer",
                 ec_ip="127.0.0.1",
                 ec_port=port,
+                ec_buffer_size=ec_buffer_size,
                 ec_connector_extra_config=extra,
             )
         )
-        self.worker = ECConnectorFactory.create_connector(config, ECConnectorRole.WORKER)
-        self.worker.start_worker_services()  # what vLLM's worker does once the model is loaded
-        self.scheduler = ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+        self.worker = self._start_worker()
+        self.scheduler = ECConnectorFactory.create_connector(self.config, ECConnectorRole.SCHEDULER)
+        self.encoder_cache: dict[str, torch.Tensor] = {}  # the worker's
+
+    def _start_worker(self):
+        worker = ECConnectorFactory.create_connector(self.config, ECConnectorRole.WORKER)
+        worker.start_worker_services()  # what vLLM's worker does once the model is loaded
+        return worker
+
+    def restart_worker(self) -> None:
+        """The worker process dies and a new one takes its port (nothing staged)."""
+        self.worker.shutdown()
+        self.encoder_cache = {}
+        self.worker = self._start_worker()
+
+    @property
+    def staging(self):
+        return self.worker._receiver.staging
 
     @property
     def address(self) -> str:
@@ -94,12 +110,24 @@ class Consumer:
         for index, feature in enumerate(request.mm_features):
             assert self.scheduler.has_cache_item(feature.identifier)
             self.scheduler.update_state_after_alloc(request, index)
-        metadata = self.scheduler.build_connector_meta(SchedulerOutput.make_empty())
-        encoder_cache: dict[str, torch.Tensor] = {}
+        self.step(SchedulerOutput.make_empty())
+        return {f.identifier: self.encoder_cache[f.identifier] for f in request.mm_features}
+
+    def step(self, output: SchedulerOutput) -> None:
+        """A step: the scheduler's metadata, the worker's encoder cache freed of what
+        the scheduler evicted (as the model runner does), then the worker's load."""
+        metadata = self.scheduler.build_connector_meta(output)
+        for mm_hash in output.free_encoder_mm_hashes:
+            self.encoder_cache.pop(mm_hash, None)
         self.worker.bind_connector_metadata(metadata)
-        self.worker.start_load_caches(encoder_cache)
+        self.worker.start_load_caches(self.encoder_cache)
         self.worker.clear_connector_metadata()
-        return encoder_cache
+
+    def evict(self, request: Request) -> None:
+        """vLLM's encoder cache drops the request's items (a preemption, an eviction)."""
+        output = SchedulerOutput.make_empty()
+        output.free_encoder_mm_hashes = [f.identifier for f in request.mm_features]
+        self.step(output)
 
 
 @pytest.fixture
@@ -292,3 +320,191 @@ def test_a_bad_extra_config_is_named(key):
     )
     with pytest.raises(ValueError, match=rf"ec_connector_extra_config\.{key} must be a positive"):
         ECConnectorFactory.create_connector(config, ECConnectorRole.SCHEDULER)
+
+
+def _push(address: str, names: list[str], rows: int = 2, hidden: int = 8) -> list:
+    """Push each name (features: its index) with the ranks' producer (``EcPusher``); the
+    answers, exceptions included."""
+    import asyncio
+
+    from kimi_encoder.engines.ecpush import EcPusher
+
+    async def go():
+        pusher = EcPusher(timeout_s=30)
+        try:
+            pushes = [
+                pusher.push(
+                    f"tcp://{address}",
+                    name,
+                    np.full((rows, hidden), i, np.float32),
+                    "float32",
+                    f"item {i} (uuid {name!r})",
+                )
+                for i, name in enumerate(names)
+            ]
+            return await asyncio.gather(*pushes, return_exceptions=True)
+        finally:
+            pusher.close()
+
+    return asyncio.run(go())
+
+
+def _wait(predicate, within_s: float = 10.0) -> float:
+    started = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - started < within_s, "condition not met in time"
+        time.sleep(0.005)
+    return time.monotonic() - started
+
+
+def test_a_backlog_beyond_the_event_memory_is_all_reported_and_loads(consumer):
+    """1.5x MAX_EVENTS pushes while the scheduler side reads nothing (vLLM idle): every
+    acknowledged item is reported available and loads."""
+    from kimi_encoder.engines.ecreceive import MAX_EVENTS
+
+    vllm = consumer()
+    names = [f"backlog-{i}" for i in range(MAX_EVENTS * 3 // 2)]
+    assert _push(vllm.address, names) == [2 * 8 * 4] * len(names)  # all acknowledged
+    batch = 96
+    for start in range(0, len(names), batch):
+        uuids = names[start : start + batch]
+        request = _request(f"backlog-chat-{start}", uuids, [2] * len(uuids))
+        assert vllm.ready(request), f"items {start}.. not reported"
+        cache = vllm.load(request)
+        for i, uuid in enumerate(uuids, start):
+            assert torch.equal(cache[uuid], torch.full((2, 8), float(i)))
+        vllm.scheduler.request_finished(request)
+    stats = vllm.scheduler.get_ec_connector_stats().data
+    assert (stats["staged"], stats["loaded"], stats["lost"]) == (len(names), len(names), 0)
+
+
+def test_a_preempted_and_a_later_request_load_the_same_features_again(service, consumer):
+    """A request preempted after its features were loaded, and a second request naming
+    the same image scheduled after the first finished and vLLM's encoder cache dropped
+    it: both load the features again, bit-equal to /v1/encode, with no push between;
+    once both finished nothing stays staged."""
+    vllm = consumer()
+    url = service.urls["f32"]
+    image = base64.b64encode(image_bytes("RGB", (88, 72), 51)).decode()
+    items = [{"type": "image", "image": image}]
+    (reference,) = _reference(url, items)
+    want = torch.from_numpy(
+        np.frombuffer(base64.b64decode(reference["data"]), "<f4").reshape(reference["shape"])
+    )
+    output = {"kind": "vllm_push", "uuids": ["again-0"], "to": [vllm.address]}
+    pushed = requests.post(
+        f"{url}/v1/encode", json={"items": items, "output": output}, headers=AUTH, timeout=60
+    )
+    assert pushed.status_code == 200, pushed.text
+    tokens = [reference["num_tokens"]]
+    first, second = (
+        _request("again-1", ["again-0"], tokens),
+        _request("again-2", ["again-0"], tokens),
+    )
+    received = vllm.worker._receiver.received
+
+    assert vllm.ready(first)
+    assert torch.equal(vllm.load(first)["again-0"], want)
+    assert vllm.ready(second)  # waiting behind the first: it names the image too
+    vllm.evict(first)  # preempted: vLLM's encoder cache drops the features
+    assert "again-0" not in vllm.encoder_cache
+    assert vllm.ready(first)  # scheduled again
+    assert torch.equal(vllm.load(first)["again-0"], want)
+    vllm.scheduler.request_finished(first)
+    vllm.evict(first)  # the entry no request uses is evicted from vLLM's encoder cache
+    assert vllm.ready(second)
+    assert torch.equal(vllm.load(second)["again-0"], want)
+    assert vllm.worker._receiver.received == received  # nothing pushed in between
+    assert vllm.staging.counts["loaded_again"] == 2
+    vllm.scheduler.request_finished(second)
+    _wait(lambda: vllm.staging.held_bytes == 0)  # every request finished: nothing staged
+    stats = vllm.scheduler.get_ec_connector_stats().data
+    assert (stats["loaded"], stats["loaded_again"]) == (1, 2)
+
+
+def test_a_restarted_worker_fails_the_waiting_requests_at_once(consumer):
+    vllm = consumer(wait_timeout_s=60)
+    assert _push(vllm.address, ["before-0"]) == [64]
+    waiting = _request("restart-chat", ["before-0", "before-1"], [2, 2])  # one still to come
+    assert not vllm.ready(waiting, within_s=0.5)
+    vllm.restart_worker()
+    failed: set[str] = set()
+
+    def failed_now() -> bool:
+        assert not vllm.scheduler.ensure_cache_available(waiting, 0)
+        failed.update(vllm.scheduler.take_unavailable_requests())
+        return bool(failed)
+
+    took = _wait(failed_now, within_s=10)
+    assert failed == {"restart-chat"}
+    assert took < 10  # not after wait_timeout_s (60 s)
+    reason = vllm.scheduler.failures["restart-chat"]
+    assert "'before-0' lost with the restart of worker tcp://127.0.0.1:" in reason
+    vllm.scheduler.request_finished(waiting)
+    assert _push(vllm.address, ["after-0"]) == [64]
+    later = _request("restart-later", ["after-0"], [2])
+    assert vllm.ready(later)
+    assert torch.equal(vllm.load(later)["after-0"], torch.zeros(2, 8))
+    assert vllm.scheduler.get_ec_connector_stats().data["lost"] == 1
+
+
+def test_staging_at_its_limit_evicts_unreferenced_and_answers_busy(service, consumer):
+    url = service.urls["f32"]
+    images = [image_bytes("RGB", (64, 64), 60 + i) for i in range(4)]
+    items = [{"type": "image", "image": base64.b64encode(b).decode()} for b in images]
+    reference = _reference(url, items[:1])[0]
+    nbytes = reference["num_tokens"] * reference["shape"][1] * 4
+    vllm = consumer(ec_buffer_size=2 * nbytes, wait_timeout_s=0.5)  # room for two
+
+    def push(i: int) -> requests.Response:
+        output = {"kind": "vllm_push", "uuids": [f"limit-{i}"], "to": [vllm.address]}
+        body = {"items": items[i : i + 1], "output": output}
+        return requests.post(f"{url}/v1/encode", json=body, headers=AUTH, timeout=60)
+
+    tokens = [reference["num_tokens"]]
+    assert push(0).status_code == 200
+    assert push(1).status_code == 200
+    holder = _request("limit-chat-0", ["limit-0"], tokens)
+    assert vllm.ready(holder)  # limit-0 named by an unfinished request
+    assert push(2).status_code == 200  # limit-1, the oldest unreferenced, goes
+    assert set(vllm.staging.snapshot()) == {"limit-0", "limit-2"}
+    assert vllm.ready(_request("limit-chat-2", ["limit-2"], tokens))
+    busy = push(3)  # both held: nothing may go
+    assert busy.status_code == 503, busy.text
+    assert busy.headers["Retry-After"] == "1"
+    message = busy.json()["error"]["message"]
+    assert f"{vllm.address} is full" in message
+    assert f"{2 * nbytes} of them named by unfinished requests" in message
+    assert set(vllm.staging.snapshot()) == {"limit-0", "limit-2"}
+    late = _request("limit-chat-1", ["limit-1"], tokens)
+    with pytest.raises(AssertionError, match="request failed"):
+        vllm.ready(late, within_s=5)
+    assert "evicted unclaimed" in vllm.scheduler.failures["limit-chat-1"]
+    assert f"ec_buffer_size={2 * nbytes} bytes" in vllm.scheduler.failures["limit-chat-1"]
+    stats = vllm.scheduler.get_ec_connector_stats().data
+    assert stats["evicted"] == 1
+
+
+def test_the_stats_reach_vllms_log_and_prometheus(consumer):
+    from prometheus_client import REGISTRY
+    from vllm.distributed.ec_transfer.ec_connector.metrics import (
+        ECConnectorLogging,
+        ECConnectorProm,
+    )
+
+    vllm = consumer()
+    _push(vllm.address, ["stat-0"])
+    request = _request("stat-chat", ["stat-0"], [2])
+    assert vllm.ready(request)
+    vllm.load(request)
+    data = vllm.scheduler.get_ec_connector_stats().data  # what vLLM's scheduler collects
+    logging = ECConnectorLogging(vllm.config.ec_transfer_config)
+    logged = []
+    logging.observe(data)
+    logging.log(log_fn=lambda fmt, text: logged.append(text))
+    assert "staged=1" in logged[0]
+    assert "loaded=1" in logged[0]
+    prom = ECConnectorProm(vllm.config, ["engine"], {0: ["0"]})
+    prom.observe(data, 0)
+    labels = {"engine": "0", "event": "loaded"}
+    assert REGISTRY.get_sample_value("vllm:kimi_encoder_ec_items_total", labels) == 1

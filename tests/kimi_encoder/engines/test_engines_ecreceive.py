@@ -103,7 +103,7 @@ def test_room_is_made_oldest_unreferenced_first(pushed, holds, nbytes, evicted):
     else:
         assert set(staging.snapshot()) == set(before) - set(evicted)
         assert staging.counts["evicted"] == len(evicted)
-    for request, names in holds.items():
+    for names in holds.values():
         assert set(names) <= set(staging.snapshot())  # nothing referenced dropped
 
 
@@ -238,5 +238,6 @@ def test_worker_memory_stays_flat_over_a_long_push_loop(made):
     loop(200, 40)  # 1600 items, 100 MiB pushed
     grown = rss_mib() - warm
     print(f"RSS after warm-up {warm:.1f} MiB, grew {grown:.1f} MiB over 1600 pushes")
-    assert len(rx.staging) == 0 and rx.staging.requests() == []
+    assert len(rx.staging) == 0
+    assert rx.staging.requests() == []
     assert grown < 16, grown
