@@ -388,9 +388,8 @@ def test_a_preempted_and_a_later_request_load_the_same_features_again(service, c
     image = base64.b64encode(image_bytes("RGB", (88, 72), 51)).decode()
     items = [{"type": "image", "image": image}]
     (reference,) = _reference(url, items)
-    want = torch.from_numpy(
-        np.frombuffer(base64.b64decode(reference["data"]), "<f4").reshape(reference["shape"])
-    )
+    data = base64.b64decode(reference["data"])
+    want = torch.from_numpy(np.frombuffer(data, "<f4").reshape(reference["shape"]).copy())
     output = {"kind": "vllm_push", "uuids": ["again-0"], "to": [vllm.address]}
     pushed = requests.post(
         f"{url}/v1/encode", json={"items": items, "output": output}, headers=AUTH, timeout=60
