@@ -15,6 +15,11 @@ switchboard, ``controlled.py``); rank 1 has
 no slot to come back to, and that request and later ones must be answered by
 rank 0 alone.
 
+``hub``: the checkpoint is ``hf://moonshotai/Kimi-K3`` on a hub on loopback (HF_ENDPOINT),
+two worker nodes with an HF_HOME each (empty caches: fresh nodes) and ``dp_size: {min: 1,
+max: 2}``. Rank 0 fetches on its node at start; the load starts rank 1 on the other node,
+which fetches again (its node has no copy) and serves the checkpoint's features.
+
 ``elastic``: three worker nodes with one ``encoder_slot`` each and ``dp_size: {min: 1,
 max: 2}``. Closed-loop clients start rank 1 (a small queue target); then the node
 holding it is removed under that load. Its requests are re-dispatched, none is lost,
@@ -26,7 +31,9 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import os
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -46,6 +53,7 @@ from controlled import Switchboard, controlled_factory
 from images import image_bytes
 from serve_helpers import app_args, b64, decode_features
 
+from benchmarks.loopback_hub import LoopbackHub, write_k3_layout
 from deployments.app import bind_app
 from kimi_encoder.encoder import VisionEncoder
 
@@ -72,13 +80,27 @@ def check(response: requests.Response, data: list[bytes], reference: VisionEncod
 def main() -> None:
     port, mode = int(sys.argv[1]), (sys.argv[2:] or ["fixed"])[0]
     torch.set_num_threads(1)
-    reference = VisionEncoder.from_pretrained("tiny", device="cpu", dtype="float32", backend="cpu")
+    hub = None
+    if mode == "hub":
+        hub, checkpoint = loopback_hub()
+        reference = VisionEncoder.from_pretrained(
+            checkpoint, device="cpu", dtype="float32", backend="cpu"
+        )
+    else:
+        reference = VisionEncoder.from_pretrained(
+            "tiny", device="cpu", dtype="float32", backend="cpu"
+        )
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "resources": {"head": 1}, "include_dashboard": False},
     )
     workers = [
-        cluster.add_node(num_cpus=1, resources={"encoder_slot": 1, f"worker_{k}": 1})
+        cluster.add_node(
+            num_cpus=1,
+            resources={"encoder_slot": 1, f"worker_{k}": 1},
+            # A node's own disk: the hub cache starts empty on each, as on a new machine.
+            env_vars={"HF_HOME": tempfile.mkdtemp(prefix=f"node{k}-hf-")},
+        )
         for k in range(3 if mode == "elastic" else 2)
     ]
     cluster.wait_for_nodes()
@@ -89,6 +111,8 @@ def main() -> None:
         url = f"http://127.0.0.1:{port}/{APP}"
         if mode == "elastic":
             elastic(cluster, workers, url, reference, out)
+        elif mode == "hub":
+            from_the_hub(url, reference, hub, out)
         else:
             fixed(cluster, workers, url, reference, out)
     finally:
@@ -96,6 +120,8 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        if hub is not None:
+            hub.__exit__()
 
 
 def fixed(cluster: Cluster, workers: list, url: str, reference: VisionEncoder, out: dict) -> None:
@@ -227,6 +253,50 @@ def elastic(cluster: Cluster, workers: list, url: str, reference: VisionEncoder,
         time.sleep(2)  # the new rank 1 under load
     out.update(clients.findings())
     out["failover"] = info(url)["failover"]
+
+
+REPO = "moonshotai/Kimi-K3"
+
+
+def loopback_hub() -> tuple[LoopbackHub, Path]:
+    """A hub on loopback serving a K3-layout checkpoint; HF_ENDPOINT points at it for every
+    node this process starts."""
+    root = Path(tempfile.mkdtemp(prefix="k3-layout-"))
+    write_k3_layout(root, "tiny", seed=11, shards=6, language_ratio=20)
+    hub = LoopbackHub().__enter__()
+    hub.add(REPO, root)
+    os.environ["HF_ENDPOINT"] = hub.endpoint
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="head-hf-")  # the head's (ingress's)
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    return hub, root
+
+
+def from_the_hub(url: str, reference: VisionEncoder, hub: LoopbackHub, out: dict) -> None:
+    """dp {1, 2} of a hub checkpoint over two fresh worker nodes: the load adds rank 1 on
+    the node that has no copy; it fetches and serves."""
+    args = app_args(
+        model={"checkpoint": f"hf://{REPO}"},
+        dp_size={"min": 1, "max": 2},
+        ranks={
+            "actor_options": {"num_cpus": 0, "resources": {"encoder_slot": 1}},
+            "cache_bytes": 0,
+        },
+        ingress={"actor_options": {"resources": {"head": 0.01}}},
+        dispatch={"cooldown_s": 1.0},
+        scaling={"target_queue_s": 1e-4, "upscale_after_s": 0.5, "downscale_after_s": 3600},
+    )
+    serve.run(bind_app(args), name=APP, route_prefix=f"/{APP}")
+    out["first_weights"] = [r.get("weights") for r in info(url)["ranks"]]
+    out["served_before"] = hub.body_bytes(".safetensors")
+    data = [image_bytes("RGB", (90 + 10 * i, 60 + 8 * i), 9000 + i) for i in range(4)]
+    with Clients(url, data, reference, 4) as clients:
+        out["grew"] = until(lambda: info(url)["ranks_live"] == [0, 1], 120)
+        time.sleep(1)  # rank 1 under load
+    ranks = info(url)["ranks"]
+    out["rank_nodes"] = [r.get("node_id") for r in ranks]
+    out["weights"] = [r.get("weights") for r in ranks]
+    out["served_after"] = hub.body_bytes(".safetensors")
+    out.update(clients.findings())
 
 
 if __name__ == "__main__":

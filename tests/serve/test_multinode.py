@@ -64,3 +64,22 @@ def test_elastic_ranks_lose_no_request_to_a_node_loss_and_refill_on_a_spare_node
     assert out["statuses"] == [200], out
     assert out["max_error"] <= 1e-5, out
     assert out["owners"] == [0, 1], out
+
+
+def test_a_rank_added_on_a_fresh_node_fetches_the_hub_checkpoint_and_serves():
+    """dp {min: 1, max: 2} of ``hf://moonshotai/Kimi-K3`` on a hub on loopback, two worker
+    nodes with empty caches: rank 0 fetches on its node; the load starts rank 1 on the
+    other, which fetches its own copy and serves the checkpoint's features."""
+    out = findings("hub")
+    first = out["first_weights"][0]
+    assert first["cached"] is False, out  # rank 0 fetched on its fresh node
+    assert out["served_before"] == first["bytes_read"], out
+    assert out["grew"], out
+    assert out["rank_nodes"][0] != out["rank_nodes"][1], out
+    added = out["weights"][1]
+    assert added["cached"] is False, out  # its node had no copy: it read the hub
+    assert added["commit"] == first["commit"], out
+    assert out["served_after"] == first["bytes_read"] + added["bytes_read"], out
+    assert out["statuses"] == [200], out
+    assert out["max_error"] <= 1e-5, out
+    assert out["owners"] == [0, 1], out
