@@ -20,6 +20,7 @@ from . import (
     bench_encoder,
     bench_execution,
     bench_handoff,
+    bench_hub,
     bench_ingress,
     bench_latency,
     bench_memory,
@@ -47,6 +48,7 @@ MODULES = (
     bench_decode,
     bench_compile_cache,
     bench_padding,
+    bench_hub,
 )
 
 INTRO = (

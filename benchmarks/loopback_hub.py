@@ -235,6 +235,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._logged_path = path
         if self.role == "storage":
             return self._blob(path, head)
+        if path.startswith("/api/models/") and "/tree/" in path:
+            return self._tree(path[len("/api/models/") :])
         if path.startswith("/api/models/"):
             return self._model_info(path[len("/api/models/") :], parse_qs(url.query))
         parts = path.lstrip("/").split("/")
@@ -284,6 +286,27 @@ class _Handler(BaseHTTPRequestHandler):
             siblings.append(row)
         body = json.dumps({"id": repo_id, "modelId": repo_id, "sha": commit, "siblings": siblings})
         self._send(200, body.encode(), {"Content-Type": "application/json"})
+
+    def _tree(self, rest: str) -> None:
+        """The file list ``snapshot_download`` reads (one page: no ``Link`` header)."""
+        repo_id, _, revision = rest.partition("/tree/")
+        repo = self._repo(repo_id)
+        if repo is None or self._commit(repo, revision.rstrip("/") or "main") is None:
+            return
+        entries = []
+        for name, path in repo.files().items():
+            size = path.stat().st_size
+            entry = {
+                "type": "file",
+                "oid": hashlib.sha1(name.encode()).hexdigest(),
+                "size": size,
+                "path": name,
+            }
+            if name.endswith(LARGE_SUFFIXES):
+                oid = _sha256_of_name(repo_id, path)
+                entry["lfs"] = {"oid": oid, "size": size, "pointerSize": 134}
+            entries.append(entry)
+        self._send(200, json.dumps(entries).encode(), {"Content-Type": "application/json"})
 
     def _resolve(self, repo_id: str, revision: str, filename: str, head: bool) -> None:
         repo = self._repo(repo_id)

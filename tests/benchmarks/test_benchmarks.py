@@ -694,3 +694,19 @@ def test_a_decode_window_counts_the_forward_wait_of_its_own_batches():
     assert 0.0 <= got["wait_share"] <= 1.0
     assert 1.0 <= got["images_per_batch"] <= 4.0
     assert bench_decode.Plan(per_batch=3).clients == 6
+
+
+def test_bench_hub_derives_k3_from_its_public_figures_and_measures_both_ways():
+    from benchmarks import bench_hub
+
+    _, derived = bench_hub.derived()
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in derived.splitlines()[2:]}
+    assert "| 0.9 | 1x | 9 | 1 |" in rows["range fetch (vision tensors only)"]  # 894 MB
+    assert "| 15.6 | 17x | 156 | 16 |" in rows["the shards holding vision tensors: one"]
+    assert "| 1,500.0 | 1,678x |" in rows["the whole repository"]
+
+    _, measured = bench_hub.measured(quick=True, presets=("tiny",))
+    cells = {row.split(" | ")[3]: row.split(" | ") for row in measured.splitlines()[2:]}
+    vision_mb = float(cells["range fetch"][1])
+    assert float(cells["range fetch"][5]) <= vision_mb + 2 * 1.048576  # + 1 MiB per shard
+    assert float(cells["shards"][5]) >= 5 * vision_mb  # two shards, mostly language bytes
