@@ -98,8 +98,8 @@ def test_each_image_goes_under_each_of_its_uuids_to_every_worker(rx):
     pushed, pusher = asyncio.run(run())
     assert [p.shape for p in pushed] == [(3, 4), (2, 4)]
     assert pusher.info()[rx.address]["acks"] == 3  # u0, u2 (one image, twice), u1
-    assert torch.equal(rx.staging.take("u0"), rx.staging.take("u2"))
-    assert rx.staging.take("u1").dtype == torch.bfloat16
+    assert torch.equal(rx.staging.get("u0"), rx.staging.get("u2"))
+    assert rx.staging.get("u1").dtype == torch.bfloat16
     assert sink.only([1]).items == (((1, "u1"),),)
 
 

@@ -86,7 +86,7 @@ def main() -> None:
         want = reference.encode([reference.plan(b) for b in data])
         errors = []
         for uuid, features in zip(uuids, want, strict=True):
-            staged = receiver.staging.take(uuid)
+            staged = receiver.staging.get(uuid)
             errors.append(np.inf if staged is None else float((staged - features).abs().max()))
         out["max_error"] = max(errors)
     finally:

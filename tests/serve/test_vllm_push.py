@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,7 +29,8 @@ import torch
 from images import image_bytes
 from serve_helpers import app_args, b64, decode_features, free_port, replica_actor, served
 
-from kimi_encoder.engines.ecreceive import Receiver, Staging
+from kimi_encoder.engines import ecreceive
+from kimi_encoder.engines.ecreceive import Receiver, Staging, Watcher
 
 APP = "vllm_push"
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,11 +64,11 @@ class SlowReceiver(Receiver):
 def receiver():
     made = []
 
-    def make(capacity: int = 1 << 26, delay_s: float = 0.0) -> Receiver:
+    def make(capacity: int = 1 << 26, delay_s: float = 0.0, ttl_s: float = 300) -> Receiver:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        rx = SlowReceiver("127.0.0.1", port, Staging(capacity, 300))
+        rx = SlowReceiver("127.0.0.1", port, Staging(capacity, ttl_s))
         rx.delay_s = delay_s
         made.append(rx)
         return rx
@@ -97,7 +99,7 @@ def assert_staged(rx: Receiver, uuids: list[str], want: list[np.ndarray], atol=0
     """Staged as ``want``: bit for bit, or within ``atol`` where concurrent requests may
     share the ranks' batches."""
     for uuid, features in zip(uuids, want, strict=True):
-        staged = rx.staging.take(uuid)
+        staged = rx.staging.get(uuid)
         assert staged is not None, f"{uuid} was not staged"
         error = float((staged - torch.from_numpy(features.copy())).abs().max())
         assert error <= atol, (uuid, error)
@@ -117,17 +119,33 @@ def test_staged_features_are_v1_encode_features_and_counted(url, receiver):
     assert sum(c["failures"] for c in counts) == 0
 
 
+def hold(rx: Receiver, request_id: str, uuids: list[str]) -> Watcher:
+    """A scheduler's watcher with ``request_id`` naming ``uuids``, confirmed by the worker."""
+    watcher = Watcher([rx.address])
+    watcher.hold(request_id, uuids)
+    deadline = time.monotonic() + 10
+    while not (watcher.drain(), watcher.held(request_id))[1]:
+        assert time.monotonic() < deadline, "the hold was not confirmed"
+        time.sleep(0.01)
+    return watcher
+
+
 def test_a_full_consumer_is_a_503_with_retry_after(url, receiver):
     one = v1_features(url, IMAGES[:1])[0].nbytes
-    rx = receiver(capacity=one)  # room for one image: the next finds it full
+    rx = receiver(capacity=one)  # room for one image, named by a request: the next is busy
     assert push(url, IMAGES[:1], ["full-0"], [address(rx)]).status_code == 200
-    answer = push(url, IMAGES[1:2], ["full-1"], [address(rx)])
+    watcher = hold(rx, "chat-full", ["full-0"])
+    try:
+        answer = push(url, IMAGES[1:2], ["full-1"], [address(rx)])
+    finally:
+        watcher.close()
     assert answer.status_code == 503, answer.text
     assert answer.headers["Retry-After"] == "1"
     message = answer.json()["error"]["message"]
     assert "item 0 (uuid 'full-1')" in message
     assert f"{rx.address} is full" in message
-    assert rx.staging.take("full-1") is None
+    assert f"{one} of them named by unfinished requests" in message
+    assert rx.staging.get("full-1") is None
 
 
 def test_a_rank_killed_mid_push_under_load_loses_nothing(url, receiver):
@@ -172,3 +190,63 @@ def test_across_nodes_without_a_shared_directory():
     assert out["ingress_node"] not in out["rank_nodes"], out  # pushed from other nodes
     assert set(out["owners"]) == {0, 1}, out
     assert out["max_error"] == 0.0, out  # staged == the in-process encoder's, bit for bit
+
+
+def test_a_scheduler_reading_every_few_seconds_loses_nothing(url, receiver, monkeypatch):
+    """A steady stream of pushes through the app (one every 0.2 s, two clients) to a
+    worker whose scheduler side reads only every 1.5 s and that remembers 8 events (each
+    read is behind them): every acknowledged item is seen and loads, the staging stays
+    within its limit, and once every request finished nothing is staged."""
+    monkeypatch.setattr(ecreceive, "MAX_EVENTS", 8)
+    one = v1_features(url, IMAGES[:1])[0].nbytes
+    limit = 48 * one
+    rx = receiver(capacity=limit)
+    count = 30
+    uuids = [f"stream-{k}" for k in range(count)]
+    pace, peak, loaded = threading.Event(), [0], set()  # pace is never set: a timer
+
+    def scheduler() -> None:
+        watcher = Watcher([rx.address])
+        deadline = time.monotonic() + 120
+        try:
+            while len(loaded) < count:
+                assert time.monotonic() < deadline, f"seen {len(loaded)} of {count}"
+                pace.wait(1.5)  # vLLM idle: nothing reads in between
+                watcher.drain()
+                peak[0] = max(peak[0], rx.staging.held_bytes)
+                seen = [u for u in uuids if u not in loaded and watcher.rows(u)]
+                for uuid in seen:
+                    watcher.hold(f"chat-{uuid}", [uuid])
+                while not all(watcher.held(f"chat-{u}") for u in seen):
+                    assert time.monotonic() < deadline, "holds not confirmed"
+                    watcher.drain()
+                    pace.wait(0.01)
+                for uuid in seen:
+                    assert rx.staging.get(uuid) is not None, f"{uuid} reported but gone"
+                    loaded.add(uuid)
+                    watcher.release(f"chat-{uuid}", after_step=0)
+            while rx.staging.held_bytes:
+                assert time.monotonic() < deadline, rx.staging.snapshot()
+                watcher.drain()
+                pace.wait(0.01)
+        finally:
+            watcher.close()
+
+    def client(first: int) -> list[int]:
+        codes = []
+        for k in range(first, count, 2):
+            answer = push(url, [IMAGES[k % len(IMAGES)]], [uuids[k]], [address(rx)])
+            codes.append(answer.status_code)
+            pace.wait(0.2)
+        return codes
+
+    with cf.ThreadPoolExecutor(3) as pool:
+        reader = pool.submit(scheduler)
+        clients = [pool.submit(client, first) for first in (0, 1)]
+        codes = [code for c in clients for code in c.result(timeout=120)]
+        reader.result(timeout=150)
+    assert codes == [200] * count
+    assert loaded == set(uuids)  # every acknowledged item seen and loaded
+    assert 0 < peak[0] <= limit
+    assert rx.staging.counts["evicted"] == rx.staging.counts["expired"] == 0
+    assert rx.staging.held_bytes == 0
