@@ -30,81 +30,38 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
-import struct
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .config import PREPROCESSOR_FILE
-from .weights import (
-    INDEX_FILE,
+from .hub_files import (
+    COMMIT,
+    CONFIG_FILES,
     SINGLE_FILE,
-    VISION_PREFIXES,
-    CheckpointError,
-    index_vision_shards,
+    Hub,
+    HubError,
+    HubRef,
+    Listing,
+    Progress,
+    RangeReader,
+    human_bytes,
+    is_hub,
+    list_files,
+    merged,
+    small_file,
+    vision_plan,
+    write_vision_file,
 )
 
-log = logging.getLogger(__name__)
+__all__ = ["Fetched", "Hub", "HubError", "HubRef", "cached_path", "config_dir", "fetch", "is_hub"]
 
-SCHEME = "hf://"
-CONFIG_FILES = ("config.json", PREPROCESSOR_FILE)
+# The fetch's record, written last: a directory holding it is a finished fetch.
 RECORD_FILE = "kimi-encoder-fetch.json"
-# One read of a shard's start holds its header in every checkpoint we know (K3's: a few
-# kB per shard); a longer header costs one more range.
-HEADER_PROBE_BYTES = 64 << 10
-# safetensors' own limit on a header.
-MAX_HEADER_BYTES = 100 << 20
-# A cut connection is resumed from where it stopped; this many cuts in a row without a
-# byte of progress end the fetch.
-MAX_STALLED_RETRIES = 5
-# Asked again, as huggingface_hub's own backoff does: rate limits and server errors.
-RETRY_STATUSES = (429, 500, 502, 503, 504)
-# No byte for this long on a range read: the connection is taken as cut and resumed.
-READ_TIMEOUT_S = 30.0
-COMMIT = re.compile(r"^[0-9a-f]{40}$")
-REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
 
-
-class HubError(RuntimeError):
-    """A hub checkpoint that cannot be had: what happened and what to do."""
-
-
-@dataclass(frozen=True)
-class HubRef:
-    """``hf://REPO[@REVISION]``: a repository and a branch, tag or commit (default main)."""
-
-    repo_id: str
-    revision: str = "main"
-
-    @classmethod
-    def parse(cls, text: str) -> HubRef:
-        """
-        >>> HubRef.parse("hf://moonshotai/Kimi-K3@v1.0")
-        HubRef(repo_id='moonshotai/Kimi-K3', revision='v1.0')
-        >>> HubRef.parse("hf://moonshotai/Kimi-K3").revision
-        'main'
-        """
-        if not text.startswith(SCHEME):
-            raise ValueError(f"{text!r} is not a hub checkpoint; write hf://OWNER/NAME[@REVISION].")
-        repo, _, revision = text[len(SCHEME) :].partition("@")
-        if not REPO.match(repo) or (_ and not revision):
-            raise ValueError(
-                f"Hub checkpoint {text!r} is malformed; write hf://OWNER/NAME or "
-                "hf://OWNER/NAME@REVISION (a branch, tag or 40-character commit), e.g. "
-                "hf://moonshotai/Kimi-K3@main."
-            )
-        return cls(repo, revision or "main")
-
-    def __str__(self) -> str:
-        return f"{SCHEME}{self.repo_id}@{self.revision}"
-
-
-def is_hub(checkpoint: object) -> bool:
-    return str(checkpoint).startswith(SCHEME)
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -141,82 +98,6 @@ class Fetched:
         return out
 
 
-def human_bytes(n: float) -> str:
-    """
-    >>> human_bytes(894_000_000), human_bytes(1.5e12), human_bytes(512)
-    ('0.89 GB', '1.5 TB', '512 B')
-    """
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale * 0.1 and (unit != "kB" or n >= 1e3):
-            value = n / scale
-            return f"{value:.2g} {unit}" if value < 1 else f"{value:.3g} {unit}"
-    return f"{int(n)} B"
-
-
-def default_cache_dir() -> Path:
-    """``$HF_HOME/kimi-encoder``: beside the hub's own cache, under its home."""
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HOME) / "kimi-encoder"
-
-
-@dataclass(frozen=True)
-class Hub:
-    """How to reach the hub: huggingface_hub's settings unless given (tests point it at a
-    hub of their own)."""
-
-    endpoint: str | None = None  # None: HF_ENDPOINT, else huggingface.co
-    token: str | bool | None = None  # None: HF_TOKEN or the saved login
-    offline: bool | None = None  # None: HF_HUB_OFFLINE
-    cache_dir: Path | None = None  # None: default_cache_dir()
-    hub_cache_dir: Path | None = None  # huggingface_hub's own cache; None: HF_HUB_CACHE
-
-    def is_offline(self) -> bool:
-        if self.offline is not None:
-            return self.offline
-        from huggingface_hub import constants
-
-        return constants.HF_HUB_OFFLINE
-
-    def cache(self, repo_id: str) -> Path:
-        from huggingface_hub.file_download import repo_folder_name
-
-        root = Path(self.cache_dir) if self.cache_dir is not None else default_cache_dir()
-        return root / repo_folder_name(repo_id=repo_id, repo_type="model")
-
-    def url(self, ref: HubRef, commit: str, filename: str) -> str:
-        from huggingface_hub import hf_hub_url
-
-        return hf_hub_url(ref.repo_id, filename, revision=commit, endpoint=self.endpoint)
-
-    def headers(self) -> dict[str, str]:
-        from huggingface_hub.utils import build_hf_headers
-
-        return build_hf_headers(token=self.token, library_name="kimi-encoder")
-
-
-# --- what a checkpoint's hub repository holds -------------------------------------------
-
-
-@dataclass(frozen=True)
-class Listing:
-    """A revision of a repository: its commit and its files' sizes (from one request)."""
-
-    commit: str
-    sizes: dict[str, int]
-
-
-def _listing(hub: Hub, ref: HubRef, revision: str) -> Listing:
-    from huggingface_hub import HfApi
-
-    with _hub_errors(ref, "the repository's file list"):
-        info = HfApi(endpoint=hub.endpoint, token=hub.token).model_info(
-            ref.repo_id, revision=revision, files_metadata=True
-        )
-    sizes = {s.rfilename: int(s.size or 0) for s in info.siblings or []}
-    return Listing(info.sha, sizes)
-
-
 def resolve_commit(ref: HubRef, hub: Hub) -> tuple[str, Listing | None]:
     """The commit ``ref`` names, and the listing when it took a request to learn it: none
     for a commit; for a branch or tag one metadata request, or offline the commit cached
@@ -233,7 +114,7 @@ def resolve_commit(ref: HubRef, hub: Hub) -> tuple[str, Listing | None]:
             "reached (with the same HF_HOME, or copy that folder here), or unset "
             "HF_HUB_OFFLINE."
         )
-    listing = _listing(hub, ref, ref.revision)
+    listing = list_files(hub, ref, ref.revision)
     refs.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(refs, listing.commit)
     return listing.commit, listing
@@ -265,31 +146,11 @@ def config_dir(ref: HubRef, hub: Hub | None = None) -> Path:
         return snapshot
     if hub.is_offline():
         raise _offline_error(ref, commit, hub)
-    paths = [_small_file(hub, ref, commit, name) for name in CONFIG_FILES]
+    paths = [small_file(hub, ref, commit, name) for name in CONFIG_FILES]
     return paths[0].parent
 
 
-def _small_file(hub: Hub, ref: HubRef, commit: str, filename: str) -> Path:
-    from huggingface_hub import hf_hub_download
-
-    with _hub_errors(ref, filename):
-        return Path(
-            hf_hub_download(
-                ref.repo_id,
-                filename,
-                revision=commit,
-                endpoint=hub.endpoint,
-                token=hub.token,
-                cache_dir=hub.hub_cache_dir,
-                library_name="kimi-encoder",
-            )
-        )
-
-
 # --- the fetch ------------------------------------------------------------------------
-
-
-Progress = Callable[[int], None]  # called with each run of bytes read
 
 
 def fetch(
@@ -320,7 +181,7 @@ def fetch(
             log.info("%s: fetched by another process (waited %.1f s)", ref, waited_s)
             return found
         if listing is None or listing.commit != commit:
-            listing = _listing(hub, ref, commit)
+            listing = list_files(hub, ref, commit)
         fetched = _fetch_into(target, ref, hub, listing, progress)
     fetched.seconds = time.perf_counter() - started
     _write_atomic(target / RECORD_FILE, json.dumps(fetched.info(), indent=1))
@@ -416,14 +277,14 @@ def _write_checkpoint(
                 f"{ref} (commit {commit}) has no {name}; expected an original-format Kimi-K3 or "
                 "K2.5 checkpoint repository."
             )
-        shutil.copyfile(_small_file(hub, ref, commit, name), out / name)
+        shutil.copyfile(small_file(hub, ref, commit, name), out / name)
     shards = sorted(name for name in sizes if name.endswith(".safetensors"))
     reader = RangeReader(hub, ref, commit, sizes)
-    plan = _vision_plan(ref, commit, sizes, reader, hub)
-    total = sum(end - start for _, spans in plan for start, end in _merged(spans))
+    plan = vision_plan(ref, commit, sizes, reader, hub)
+    total = sum(end - start for _, spans in plan for start, end in merged(spans))
     _check_room(out, total)
     on_bytes = progress(total) if progress is not None else None
-    _write_vision_file(out / SINGLE_FILE, plan, reader, on_bytes, f"hf://{ref.repo_id}@{commit}")
+    write_vision_file(out / SINGLE_FILE, plan, reader, on_bytes, f"hf://{ref.repo_id}@{commit}")
     return Fetched(
         path=str(out),
         repo=ref.repo_id,
@@ -438,85 +299,10 @@ def _write_checkpoint(
     )
 
 
-@dataclass(frozen=True)
-class Span:
-    """One vision tensor in a shard: its header entry and absolute byte range."""
-
-    key: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-def _vision_plan(
-    ref: HubRef, commit: str, sizes: dict[str, int], reader: RangeReader, hub: Hub
-) -> list[tuple[str, list[Span]]]:
-    """[(shard, its vision tensors in file order)] from the index (or the single file)."""
-    wanted = _wanted(ref, commit, sizes, hub)
-    plan = []
-    for shard in sorted(wanted):
-        if shard not in sizes:
-            raise HubError(
-                f"{ref}'s {INDEX_FILE} names shard {shard!r}, which is not in the repository."
-            )
-        header, data_start = reader.header(shard)
-        keys = wanted[shard] or [k for k in header if k.startswith(VISION_PREFIXES)]
-        missing = sorted(k for k in keys if k not in header)
-        if missing or not keys:
-            listed = ": " + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
-            raise HubError(
-                f"The header of {ref}'s {shard} lacks the vision tensors "
-                + (f"its index lists{listed}" if missing else "a Kimi checkpoint holds")
-                + "; the repository's index and shards disagree, or this is not a Kimi "
-                "vision-language checkpoint."
-            )
-        spans = []
-        for key in keys:
-            entry = header[key]
-            begin, end = entry["data_offsets"]
-            shape = tuple(entry["shape"])
-            spans.append(Span(key, entry["dtype"], shape, data_start + begin, data_start + end))
-        plan.append((shard, sorted(spans, key=lambda s: s.start)))
-    return plan
-
-
-def _wanted(ref: HubRef, commit: str, sizes: dict[str, int], hub: Hub) -> dict[str, list[str]]:
-    """{shard: vision keys the index lists in it}; {single file: []} without an index."""
-    if INDEX_FILE in sizes:
-        index = json.loads(_small_file(hub, ref, commit, INDEX_FILE).read_text())
-        try:
-            wanted = index_vision_shards(index, f"{ref}'s {INDEX_FILE}")
-        except CheckpointError as exc:
-            raise HubError(str(exc)) from None
-        if not wanted:
-            raise HubError(
-                f"{ref}'s {INDEX_FILE} lists no vision_tower.* or mm_projector.* tensor; is "
-                "this a Kimi vision-language checkpoint?"
-            )
-        return wanted
-    if SINGLE_FILE in sizes:
-        return {SINGLE_FILE: []}  # every vision key its header holds
-    raise HubError(
-        f"{ref} (commit {commit}) has neither {INDEX_FILE} nor {SINGLE_FILE}; expected an "
-        "original-format Kimi checkpoint in safetensors."
-    )
-
-
-def _merged(spans: list[Span]) -> list[tuple[int, int]]:
-    """Adjacent byte ranges merged: one request for tensors that lie back to back.
-
-    >>> _merged([Span("a", "F32", (1,), 8, 12), Span("b", "F32", (1,), 12, 16),
-    ...          Span("c", "F32", (1,), 20, 24)])
-    [(8, 16), (20, 24)]
-    """
-    out: list[tuple[int, int]] = []
-    for span in spans:
-        if out and out[-1][1] == span.start:
-            out[-1] = (out[-1][0], span.end)
-        else:
-            out.append((span.start, span.end))
-    return out
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _check_room(out: Path, needed: int) -> None:
@@ -526,236 +312,6 @@ def _check_room(out: Path, needed: int) -> None:
             errno.ENOSPC,
             f"{human_bytes(needed)} needed, {human_bytes(free)} free",
         )
-
-
-def _write_vision_file(
-    path: Path,
-    plan: list[tuple[str, list[Span]]],
-    reader: RangeReader,
-    on_bytes: Progress | None,
-    source: str,
-) -> None:
-    """A safetensors file of the planned tensors, laid out in the shards' order: each
-    merged range is copied from the hub straight into its place."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "source": source}}
-    offset = 0
-    for _, spans in plan:
-        for span in spans:
-            size = span.end - span.start
-            header[span.key] = {
-                "dtype": span.dtype,
-                "shape": list(span.shape),
-                "data_offsets": [offset, offset + size],
-            }
-            offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for shard, spans in plan:
-            for start, end in _merged(spans):
-                reader.copy(shard, start, end, f, on_bytes)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-class RangeReader:
-    """Byte ranges of a commit's files through huggingface_hub's HTTP session, each
-    checked against its ``Content-Range`` and length, a cut connection resumed from
-    where it stopped; counts what it read."""
-
-    def __init__(self, hub: Hub, ref: HubRef, commit: str, sizes: dict[str, int]):
-        self.hub, self.ref, self.commit, self.sizes = hub, ref, commit, sizes
-        self.bytes_read = 0
-
-    def header(self, shard: str) -> tuple[dict, int]:
-        """A shard's safetensors header and the offset its data starts at."""
-        size = self.sizes[shard]
-        head = self.read(shard, 0, min(HEADER_PROBE_BYTES, size))
-        if len(head) < 8:
-            raise HubError(f"{self.ref}'s {shard} is {size} bytes: too short for safetensors.")
-        (length,) = struct.unpack("<Q", head[:8])
-        if length > MAX_HEADER_BYTES or 8 + length > size:
-            raise HubError(
-                f"{self.ref}'s {shard} does not start with a safetensors header (it declares "
-                f"{length} header bytes in a {size}-byte file)."
-            )
-        if 8 + length > len(head):
-            head += self.read(shard, len(head), 8 + length)
-        try:
-            return json.loads(head[8 : 8 + length]), 8 + length
-        except ValueError as exc:
-            raise HubError(
-                f"{self.ref}'s {shard} has an unreadable safetensors header: {exc}"
-            ) from exc
-
-    def read(self, shard: str, start: int, end: int) -> bytes:
-        parts: list[bytes] = []
-        self._stream(shard, start, end, parts.append)
-        return b"".join(parts)
-
-    def copy(self, shard: str, start: int, end: int, out, on_bytes: Progress | None) -> None:
-        def write(chunk: bytes) -> None:
-            out.write(chunk)
-            if on_bytes is not None:
-                on_bytes(len(chunk))
-
-        self._stream(shard, start, end, write)
-
-    def _stream(self, shard: str, start: int, end: int, sink: Callable[[bytes], None]) -> None:
-        """Bytes ``[start, end)`` of ``shard`` to ``sink`` in order, each exactly once: a cut
-        connection, a 429 or a 5xx is asked again from the first byte not yet had."""
-        import httpx2
-        from huggingface_hub.utils import get_session, hf_raise_for_status
-
-        url = self.hub.url(self.ref, self.commit, shard)
-        at, stalls = start, 0
-        while at < end:
-            before, why = at, ""
-            headers = {
-                **self.hub.headers(),
-                "Range": f"bytes={at}-{end - 1}",
-                "Accept-Encoding": "identity",  # the bytes as stored: ranges count them
-            }
-            try:
-                with (
-                    _hub_errors(self.ref, shard),
-                    get_session().stream(
-                        "GET", url, headers=headers, follow_redirects=True, timeout=READ_TIMEOUT_S
-                    ) as response,
-                ):
-                    if response.status_code in RETRY_STATUSES:
-                        why = f"HTTP {response.status_code}"
-                        continue
-                    if response.status_code >= 400:
-                        response.read()  # the hub's error body, for its message
-                        hf_raise_for_status(response)
-                    self._check_range(response, shard, at, end)
-                    for chunk in response.iter_raw():  # as it arrives: a cut loses nothing had
-                        chunk = chunk[: end - at]
-                        sink(chunk)
-                        at += len(chunk)
-                        self.bytes_read += len(chunk)
-                        if at >= end:
-                            break
-            except httpx2.TransportError as exc:
-                why = repr(exc)
-            finally:
-                if at < end:
-                    stalls = 0 if at > before else stalls + 1
-            if at < end:
-                log.warning(
-                    "%s %s: read stopped at byte %d of [%d, %d) (%s); resuming",
-                    self.ref,
-                    shard,
-                    at,
-                    start,
-                    end,
-                    why or "a short answer",
-                )
-                if stalls >= MAX_STALLED_RETRIES:
-                    raise HubError(
-                        f"Reading {self.ref}'s {shard} stopped at byte {at} of [{start}, {end}) "
-                        f"{MAX_STALLED_RETRIES} times in a row with nothing read (last: "
-                        f"{why or 'a short answer'}); check the network to the hub and run "
-                        "again (nothing half-written is kept)."
-                    )
-                time.sleep(min(8.0, 0.25 * 2**stalls))
-
-    def _check_range(self, response, shard: str, start: int, end: int) -> None:
-        size = self.sizes.get(shard)
-        got = response.headers.get("Content-Range", "")
-        want = f"bytes {start}-{end - 1}/"
-        whole = response.status_code == 200 and start == 0 and end == size
-        if not whole and (response.status_code != 206 or not got.startswith(want)):
-            raise HubError(
-                f"Asked {self.ref}'s {shard} for bytes {start}-{end - 1} and got HTTP "
-                f"{response.status_code} with Content-Range {got or 'missing'}; the server (or a "
-                "proxy before it) does not serve byte ranges as the hub does."
-            )
-        total = got.rpartition("/")[2]
-        if got and size is not None and total not in ("*", str(size)):
-            raise HubError(
-                f"{self.ref}'s {shard} is {total} bytes by its Content-Range but {size} by the "
-                "repository's file list; the file changed under this commit?"
-            )
-        length = response.headers.get("Content-Length")
-        if length is not None and int(length) != end - start:
-            raise HubError(
-                f"Asked {self.ref}'s {shard} for {end - start} bytes at {start}, the answer "
-                f"announces {length}."
-            )
-
-
-@contextmanager
-def _hub_errors(ref: HubRef, what: str) -> Iterator[None]:
-    """huggingface_hub's errors as what happened and what to do."""
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        LocalEntryNotFoundError,
-        RemoteEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    try:
-        yield
-    except GatedRepoError as exc:
-        raise HubError(
-            f"{ref} is gated and this token has no access to it (HTTP "
-            f"{_status(exc)}, reading {what}): accept its terms on the hub, then set HF_TOKEN "
-            "to a token of that account."
-        ) from exc
-    except RepositoryNotFoundError as exc:
-        status = _status(exc)
-        hint = (
-            "it is private or gated: set HF_TOKEN to a token with access to it"
-            if status in (401, 403)
-            else "check the name"
-        )
-        raise HubError(
-            f"No repository {ref.repo_id!r} at {_endpoint()} (HTTP {status}, reading {what}); "
-            f"{hint}, or that HF_ENDPOINT is the hub you mean."
-        ) from exc
-    except RevisionNotFoundError as exc:
-        raise HubError(
-            f"{ref.repo_id} has no revision {ref.revision!r} (HTTP 404); name an existing "
-            "branch, tag or commit after '@'."
-        ) from exc
-    except RemoteEntryNotFoundError as exc:
-        raise HubError(f"{ref} has no file {what} (HTTP 404).") from exc
-    except LocalEntryNotFoundError as exc:
-        raise HubError(
-            f"{what} of {ref} is not in the local cache and the hub cannot be asked "
-            f"({exc}); unset HF_HUB_OFFLINE or check the network to {_endpoint()}."
-        ) from exc
-    except HfHubHTTPError as exc:
-        status = _status(exc)
-        if status in (401, 403):
-            raise HubError(
-                f"{_endpoint()} refused {ref} (HTTP {status}, reading {what}): set HF_TOKEN to "
-                "a token with read access to it."
-            ) from exc
-        raise HubError(f"Reading {what} of {ref} failed: {exc}") from exc
-
-
-def _status(exc) -> int | None:
-    response = getattr(exc, "response", None)
-    return getattr(response, "status_code", None)
-
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # --- progress -------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class ScalingArgs(Section):
         "GPU free, a failing start) is reported with Serve's reason and left parked; the "
         "service goes on with the live ranks and tries it again after as long. With ranks "
         "on CUDA it must cover a start: model.auto_budget_s (none with execution 'eager') "
-        "+ 60 s + the checkpoint's vision weights read at 100 MB/s.",
+        "+ 60 s + the checkpoint's vision weights read at 100 MB/s, + their fetch at 50 MB/s "
+        "for a hub checkpoint not yet fetched where the config is checked.",
     )
 
     @model_validator(mode="after")

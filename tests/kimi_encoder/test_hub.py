@@ -295,7 +295,7 @@ def test_a_malformed_hub_name():
 
 def test_the_start_allowance_adds_the_fetch_until_this_node_has_it(hub, tmp_path, monkeypatch):
     name = f"hf://{REPO}@{hub.commit}"
-    monkeypatch.setattr("kimi_encoder.hub.default_cache_dir", lambda: tmp_path / "kimi-encoder")
+    monkeypatch.setattr("kimi_encoder.hub_files.default_cache_dir", lambda: tmp_path / "kimi-encoder")
     seconds, priced = start_allowance_s(name)
     assert "their fetch from the hub at 50 MB/s" in priced
     fetch(HubRef.parse(name), client(hub, tmp_path))
