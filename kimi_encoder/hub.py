@@ -34,7 +34,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .hub_files import (
@@ -79,7 +79,6 @@ class Fetched:
     shards_read: int  # shards with vision tensors: the only ones touched
     seconds: float  # the fetch's wall time
     cached: bool = False  # this start found the fetch done (by this or another process)
-    extra: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         """One line: 'read 0.89 GB of 1.5 TB in 96 shards ...'."""
@@ -92,7 +91,6 @@ class Fetched:
 
     def info(self) -> dict:
         out = asdict(self)
-        out.pop("extra")
         out["source"] = f"hf://{self.repo}"
         out["seconds"] = round(self.seconds, 3)
         return out

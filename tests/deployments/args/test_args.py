@@ -88,12 +88,39 @@ def test_vision_weight_bytes_reads_the_headers(tmp_path):
             r"MB \(not readable here, priced as the largest preset's vision weights in float32\)"
             r" at 100 MB/s\) = 199 s",
         ),
+        (  # a hub checkpoint not fetched here: the read and the fetch at 50 MB/s
+            {
+                "model": {
+                    "checkpoint": "hf://moonshotai/Kimi-K3@0123456789abcdef0123456789abcdef01234567"
+                },
+                "scaling": {"start_timeout_s": 180},
+            },
+            r"\+ 117 s to start and load model\.checkpoint 'hf://moonshotai/Kimi-K3@0123.*' "
+            r"\(60 s \+ 1885 MB \(not readable here, .*\) at 100 MB/s \+ their fetch from the "
+            r"hub at 50 MB/s\) = 237 s",
+        ),
     ],
-    ids=["defaults", "compiled", "eager", "unreadable-directory"],
+    ids=["defaults", "compiled", "eager", "unreadable-directory", "hub-not-fetched"],
 )
 def test_a_start_timeout_shorter_than_the_start_is_refused(update, match):
     with pytest.raises(ValueError, match=match):
         AppArgs(**{**ELASTIC_GPU, **update})
+
+
+@pytest.mark.parametrize(
+    ("name", "match"),
+    [
+        (
+            "hf://just-a-name",
+            r"Hub checkpoint 'hf://just-a-name' is malformed; write hf://OWNER/NAME",
+        ),
+        ("hf://moonshotai/Kimi-K3@", r"is malformed; .*\(a branch, tag or 40-character commit\)"),
+    ],
+    ids=["no-owner", "empty-revision"],
+)
+def test_a_malformed_hub_checkpoint_is_refused(name, match):
+    with pytest.raises(ValidationError, match=match):
+        AppArgs(model={"checkpoint": name})
 
 
 def test_a_checkpoint_directory_is_priced_by_its_vision_bytes(tmp_path):
