@@ -151,6 +151,8 @@ class LoopbackHub:
         self.repos: dict[str, Repo] = {}
         self.log: list[Served] = []
         self.cuts: dict[str, list[int]] = {}  # file name -> [ranged reads to let by, bytes]
+        self.holds: dict[str, threading.Event] = {}  # file name -> set once a read waits
+        self.release = threading.Event()
         self.lock = threading.Lock()
         self.hub = _server(self, "hub")
         self.storage = _server(self, "storage")
@@ -181,6 +183,15 @@ class LoopbackHub:
         """The ranged read of ``filename`` after the next ``skip`` ones sends ``after_bytes``
         and drops the connection (its Content-Length promising the whole range)."""
         self.cuts[filename] = [skip, after_bytes]
+
+    def hold_next(self, filename: str) -> threading.Event:
+        """The next ranged read of ``filename`` after its first (the header's) waits, having
+        sent half its bytes, until ``release`` is set; the event returned is set once one
+        waits."""
+        self.release.clear()
+        self.holds[filename] = threading.Event()
+        self.holds[filename].skip = 1
+        return self.holds[filename]
 
     def requests(self) -> int:
         return len(self.log)
@@ -365,9 +376,28 @@ class _Handler(BaseHTTPRequestHandler):
                 elif plan is not None:
                     cut = self.hub.cuts.pop(file.name)[1]
         self._logged_path = file.name
+        held = self.hub.holds.get(file.name) if wanted is not None and not head else None
+        if held is not None and held.skip > 0:
+            held.skip, held = held.skip - 1, None
+        if held is not None:
+            del self.hub.holds[file.name]
+            self._send_held(status, data, headers, held)
+            return
         self._send(status, data, headers, head=head, cut_after=cut)
 
     # -- sending --
+
+    def _send_held(self, status: int, body: bytes, headers: dict, held: threading.Event) -> None:
+        self.send_response(status)
+        for key, value in headers.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body[: len(body) // 2])
+        self.wfile.flush()
+        held.set()
+        self.hub.release.wait(60)
+        self.wfile.write(body[len(body) // 2 :])
 
     def _error(self, status: int, code: str, message: str) -> None:
         body = json.dumps({"error": message}).encode()

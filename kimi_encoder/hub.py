@@ -180,10 +180,7 @@ def fetch(
             return found
         if listing is None or listing.commit != commit:
             listing = list_files(hub, ref, commit)
-        fetched = _fetch_into(target, ref, hub, listing, progress)
-    fetched.seconds = time.perf_counter() - started
-    _write_atomic(target / RECORD_FILE, json.dumps(fetched.info(), indent=1))
-    return fetched
+        return _fetch_into(target, ref, hub, listing, progress, started)
 
 
 def _found(target: Path, ref: HubRef, commit: str) -> Fetched | None:
@@ -232,9 +229,10 @@ def _fetch_into(
     hub: Hub,
     listing: Listing,
     progress: Callable[[int], Progress] | None,
+    started: float,
 ) -> Fetched:
-    """Fetch into a temporary sibling of ``target`` and rename it into place when whole;
-    on any failure nothing is left behind. Called under the node lock."""
+    """Fetch into a temporary sibling of ``target``, its record last, and rename it into
+    place when whole; on any failure nothing is left behind. Called under the node lock."""
     for stale in target.parent.glob(f".{target.name}.tmp-*"):  # a killed fetch's
         shutil.rmtree(stale, ignore_errors=True)
     if target.exists():
@@ -246,6 +244,8 @@ def _fetch_into(
     tmp.mkdir()
     try:
         fetched = _write_checkpoint(tmp, ref, hub, listing, progress)
+        fetched.path, fetched.seconds = str(target), time.perf_counter() - started
+        (tmp / RECORD_FILE).write_text(json.dumps(fetched.info(), indent=1))
         os.replace(tmp, target)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -256,7 +256,6 @@ def _fetch_into(
                 "`kimi-encoder fetch --to DIR`) at a disk with room for them."
             ) from exc
         raise
-    fetched.path = str(target)
     return fetched
 
 

@@ -286,6 +286,44 @@ def test_a_full_disk_leaves_nothing_half_written(hub, tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == [".k3.lock"], run.stderr
 
 
+def test_a_killed_fetch_leaves_nothing_that_looks_whole_and_the_next_one_finishes(
+    hub, checkpoint, tmp_path
+):
+    """A fetch killed (SIGKILL) in the middle of a vision range: no snapshot at its final
+    name, only a temporary directory; the next fetch removes it and completes."""
+    held = hub.hold_next(checkpoint[1]["vision_shards"][0])
+    home = tmp_path / "home"
+    env = {
+        **os.environ,
+        "HF_HOME": str(home),
+        "HF_ENDPOINT": hub.endpoint,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    }
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kimi_encoder", "fetch", f"hf://{REPO}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert held.wait(60), "the fetch never reached the vision range"
+        process.kill()
+        process.wait(30)
+    finally:
+        hub.release.set()
+    snapshots = home / "kimi-encoder" / f"models--{REPO.replace('/', '--')}" / "snapshots"
+    assert not (snapshots / hub.commit).exists()
+    assert [p.name for p in snapshots.iterdir() if ".tmp-" in p.name] != []  # the killed one's
+    fetched = fetch(
+        HubRef.parse(f"hf://{REPO}"),
+        Hub(endpoint=hub.endpoint, cache_dir=home / "kimi-encoder", hub_cache_dir=tmp_path / "hub"),
+    )
+    assert sorted(p.name for p in snapshots.iterdir()) == [f".{hub.commit}.lock", hub.commit]
+    want, got = read_vision_tensors(checkpoint[0]), read_vision_tensors(fetched.path)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
 def test_a_malformed_hub_name():
     with pytest.raises(ValueError, match=r"malformed; write hf://OWNER/NAME or"):
         HubRef.parse("hf://just-a-name")
@@ -295,7 +333,9 @@ def test_a_malformed_hub_name():
 
 def test_the_start_allowance_adds_the_fetch_until_this_node_has_it(hub, tmp_path, monkeypatch):
     name = f"hf://{REPO}@{hub.commit}"
-    monkeypatch.setattr("kimi_encoder.hub_files.default_cache_dir", lambda: tmp_path / "kimi-encoder")
+    monkeypatch.setattr(
+        "kimi_encoder.hub_files.default_cache_dir", lambda: tmp_path / "kimi-encoder"
+    )
     seconds, priced = start_allowance_s(name)
     assert "their fetch from the hub at 50 MB/s" in priced
     fetch(HubRef.parse(name), client(hub, tmp_path))
