@@ -125,6 +125,11 @@ class Hub:
     cache_dir: Path | None = None  # None: default_cache_dir()
     hub_cache_dir: Path | None = None  # huggingface_hub's own cache; None: HF_HUB_CACHE
 
+    def endpoint_url(self) -> str:
+        from huggingface_hub import constants
+
+        return self.endpoint or constants.ENDPOINT
+
     def is_offline(self) -> bool:
         if self.offline is not None:
             return self.offline
@@ -163,7 +168,7 @@ class Listing:
 def list_files(hub: Hub, ref: HubRef, revision: str) -> Listing:
     from huggingface_hub import HfApi
 
-    with hub_errors(ref, "the repository's file list"):
+    with hub_errors(hub, ref, "the repository's file list"):
         info = HfApi(endpoint=hub.endpoint, token=hub.token).model_info(
             ref.repo_id, revision=revision, files_metadata=True
         )
@@ -174,7 +179,7 @@ def list_files(hub: Hub, ref: HubRef, revision: str) -> Listing:
 def small_file(hub: Hub, ref: HubRef, commit: str, filename: str) -> Path:
     from huggingface_hub import hf_hub_download
 
-    with hub_errors(ref, filename):
+    with hub_errors(hub, ref, filename):
         return Path(
             hf_hub_download(
                 ref.repo_id,
@@ -361,7 +366,7 @@ class RangeReader:
             }
             try:
                 with (
-                    hub_errors(self.ref, shard),
+                    hub_errors(self.hub, self.ref, shard),
                     get_session().stream(
                         "GET", url, headers=headers, follow_redirects=True, timeout=READ_TIMEOUT_S
                     ) as response,
@@ -430,7 +435,7 @@ class RangeReader:
 
 
 @contextmanager
-def hub_errors(ref: HubRef, what: str) -> Iterator[None]:
+def hub_errors(hub: Hub, ref: HubRef, what: str) -> Iterator[None]:
     """huggingface_hub's errors as what happened and what to do."""
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -450,15 +455,10 @@ def hub_errors(ref: HubRef, what: str) -> Iterator[None]:
             "to a token of that account."
         ) from exc
     except RepositoryNotFoundError as exc:
-        status = _status(exc)
-        hint = (
-            "it is private or gated: set HF_TOKEN to a token with access to it"
-            if status in (401, 403)
-            else "check the name"
-        )
         raise HubError(
-            f"No repository {ref.repo_id!r} at {_endpoint()} (HTTP {status}, reading {what}); "
-            f"{hint}, or that HF_ENDPOINT is the hub you mean."
+            f"No repository {ref.repo_id!r} at {hub.endpoint_url()} (HTTP {_status(exc)}, reading "
+            f"{what}): check the name and HF_ENDPOINT; if it is private or gated, set HF_TOKEN "
+            "to a token with access to it."
         ) from exc
     except RevisionNotFoundError as exc:
         raise HubError(
@@ -470,14 +470,14 @@ def hub_errors(ref: HubRef, what: str) -> Iterator[None]:
     except LocalEntryNotFoundError as exc:
         raise HubError(
             f"{what} of {ref} is not in the local cache and the hub cannot be asked "
-            f"({exc}); unset HF_HUB_OFFLINE or check the network to {_endpoint()}."
+            f"({exc}); unset HF_HUB_OFFLINE or check the network to {hub.endpoint_url()}."
         ) from exc
     except HfHubHTTPError as exc:
         status = _status(exc)
         if status in (401, 403):
             raise HubError(
-                f"{_endpoint()} refused {ref} (HTTP {status}, reading {what}): set HF_TOKEN to "
-                "a token with read access to it."
+                f"{hub.endpoint_url()} refused {ref} (HTTP {status}, reading {what}): set "
+                "HF_TOKEN to a token with read access to it."
             ) from exc
         raise HubError(f"Reading {what} of {ref} failed: {exc}") from exc
 
@@ -485,9 +485,3 @@ def hub_errors(ref: HubRef, what: str) -> Iterator[None]:
 def _status(exc) -> int | None:
     response = getattr(exc, "response", None)
     return getattr(response, "status_code", None)
-
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT

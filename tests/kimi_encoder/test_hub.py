@@ -186,7 +186,12 @@ def test_gated_repository_without_a_token_says_set_hf_token(checkpoint, tmp_path
 @pytest.mark.parametrize(
     ("name", "match"),
     [
-        ("hf://moonshotai/Nope", r"No repository 'moonshotai/Nope' .*HTTP 401.*HF_TOKEN"),
+        (
+            "hf://moonshotai/Nope",
+            r"No repository 'moonshotai/Nope' at http://127\.0\.0\.1:\d+ \(HTTP 401, reading "
+            r"the repository's file list\): check the name and HF_ENDPOINT; if it is private or "
+            r"gated, set HF_TOKEN",
+        ),
         (f"hf://{REPO}@no-such-branch", r"has no revision 'no-such-branch' \(HTTP 404\)"),
     ],
     ids=["repository", "revision"],
