@@ -209,11 +209,7 @@ def test_a_header_without_the_vision_keys_its_index_lists(checkpoint, tmp_path):
     key = next(k for k in index["weight_map"] if k.startswith("vision_tower."))
     index["weight_map"][key] = "model-00001-of-00006.safetensors"  # a language-only shard
     (root / INDEX_FILE).write_text(json.dumps(index))
-    with LoopbackHub() as server:
-        server.add(REPO, root)
-        with pytest.raises(HubError, match=rf"model-00001-of-00006.safetensors lacks .*{key}"):
-            fetch(HubRef.parse(f"hf://{REPO}"), client(server, tmp_path))
-    assert left_behind(tmp_path) == []
+    refused(root, tmp_path, rf"model-00001-of-00006.safetensors lacks .*{key}")
 
 
 def test_no_index_and_no_single_file_is_not_a_kimi_checkpoint(checkpoint, tmp_path):
@@ -221,9 +217,14 @@ def test_no_index_and_no_single_file_is_not_a_kimi_checkpoint(checkpoint, tmp_pa
     root.mkdir()
     for name in ("config.json", "preprocessor_config.json"):
         shutil.copy(checkpoint[0] / name, root / name)
+    refused(root, tmp_path, r"neither model.safetensors.index.json nor model")
+
+
+def refused(root: Path, tmp_path: Path, match: str) -> None:
+    """A fetch of ``root`` served as REPO fails with ``match`` and leaves nothing."""
     with LoopbackHub() as server:
         server.add(REPO, root)
-        with pytest.raises(HubError, match=r"neither model.safetensors.index.json nor model"):
+        with pytest.raises(HubError, match=match):
             fetch(HubRef.parse(f"hf://{REPO}"), client(server, tmp_path))
     assert left_behind(tmp_path) == []
 
