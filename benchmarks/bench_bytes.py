@@ -336,7 +336,7 @@ COPY_ROWS = [
         "rank: into Ray's object store",
         "cache on: 1 per image when it is encoded (the cache keeps the object-store ref; a "
         "hit copies nothing); cache off: 1 (Ray writes the call's answer into one object)",
-        "`deployments/rank.py` `StoredFeatures`",
+        "`deployments/stored.py` `StoredFeatures`",
     ],
     [
         "rank → ingress",

@@ -184,7 +184,7 @@ def _refilled(first: RankReply, missing: list[int], again: RankReply) -> RankRep
 
 async def _read_stored(result: Any) -> Any:
     """An encode answer with its features read in place: a rank with its cache on answers
-    refs to features it wrote into the object store once (``rank.StoredFeatures``);
+    refs to features it wrote into the object store once (``stored.StoredFeatures``);
     each becomes the read-only array the object store holds (no copy). The refs stay in
     the answer's ``refs`` (None for an array sent as it is), for ``IngressCache``."""
     if not isinstance(result, RankReply):

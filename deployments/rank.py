@@ -9,7 +9,6 @@ import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -31,6 +30,7 @@ from .metrics import DELIVER, RankMetrics
 from .ranks.calls import EncodeCall
 from .ranks.records import LoadReport, RankReply
 from .sinks import EcFiles, Kept, PartPush, Written, part_frames
+from .stored import StoredFeatures
 from .vllm_push import EcPushes, PushMetrics, push_images
 
 log = logging.getLogger("ray.serve")
@@ -42,22 +42,6 @@ EncoderFactory = Callable[..., VisionEncoder]
 # Relative bound of the health check's probe against its start-up features, by dtype:
 # kernels may pick other algorithms between runs (a few roundings of the dtype's step).
 PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4 * 2.0**-8, torch.float16: 4 * 2.0**-11}
-
-
-@dataclass(frozen=True)
-class StoredFeatures:
-    """One image's features, written once into Ray's object store by this rank: what
-    its feature cache keeps and its answers carry (the ref, not the bytes)."""
-
-    ref: ray.ObjectRef
-    shape: tuple[int, ...]
-    dtype: str
-    nbytes: int
-
-    @classmethod
-    def put(cls, features: torch.Tensor) -> StoredFeatures:
-        array = to_numpy(features)
-        return cls(ray.put(array), tuple(features.shape), dtype_name(features.dtype), array.nbytes)
 
 
 class EncoderRank:

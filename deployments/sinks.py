@@ -5,7 +5,7 @@ ingress: the rank that made them delivers them itself, and answers with what it 
   uuid, written atomically by the rank from the features it just copied to the host or
   from its cache; it answers ``Written`` records, the ingress only the metadata.
 - ``Kept``: the rank keeps each image's features in Ray's object store (its cache's
-  copy, or one put there now) and answers their refs (``rank.StoredFeatures``); the
+  copy, or one put there now) and answers their refs (``stored.StoredFeatures``); the
   ingress passes the refs on unread, to the one rank that then pushes an sglang part
   (``rank.EncoderRank.push``).
 

@@ -37,9 +37,12 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """Imports that run when the module is imported: its body, and the ``if``/``try``
-    blocks at its top level (not ``if TYPE_CHECKING:``), not function or class bodies."""
+def module_level_imports(
+    tree: ast.Module, type_only: bool = True
+) -> list[ast.Import | ast.ImportFrom]:
+    """Imports at the module's level: its body, and the ``if``/``try`` blocks at its top
+    level, ``if TYPE_CHECKING:`` included unless ``type_only`` is false (a reader follows
+    a type-only import as any other), not function or class bodies."""
     found: list[ast.Import | ast.ImportFrom] = []
     pending: list[ast.stmt] = list(tree.body)
     while pending:
@@ -47,7 +50,7 @@ def module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
         if isinstance(node, ast.Import | ast.ImportFrom):
             found.append(node)
         elif isinstance(node, ast.If):
-            if not _is_type_checking(node):
+            if type_only or not _is_type_checking(node):
                 pending += node.body + node.orelse
         elif isinstance(node, ast.Try):
             pending += node.body + node.orelse + node.finalbody
@@ -88,15 +91,18 @@ def known_is_package(name: str, known: set[str]) -> bool:
     return any(other.startswith(name + ".") for other in known)
 
 
-def import_graph(root: Path, packages: tuple[str, ...]) -> dict[str, set[str]]:
-    """Module -> the modules of ``packages`` it imports at module level."""
+def import_graph(
+    root: Path, packages: tuple[str, ...], type_only: bool = True
+) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports at module level (its type-only
+    imports too, unless ``type_only`` is false)."""
     found = modules(root, packages)
     known = set(found)
     graph = {}
     for name, path in found.items():
         tree = ast.parse(path.read_text(), str(path))
         edges: set[str] = set()
-        for node in module_level_imports(tree):
+        for node in module_level_imports(tree, type_only):
             edges |= imported(name, node, known)
         graph[name] = edges
     return graph
@@ -130,7 +136,7 @@ def test_no_import_cycle_in_the_tree():
     assert "benchmarks.bench_bytes" in graph
     assert "deployments.args" in graph["deployments.rank"]  # the graph sees relative imports
     cycle = find_cycle(graph)
-    assert cycle is None, "import cycle at module level: " + " -> ".join(cycle)
+    assert cycle is None, "import cycle (type-only imports count): " + " -> ".join(cycle)
 
 
 def test_a_cycle_is_named(tmp_path):
@@ -146,8 +152,12 @@ def test_a_cycle_is_named(tmp_path):
     (package / "d.py").write_text("from .c import thing\n")
     graph = import_graph(tmp_path, ("pkg",))
     assert graph["pkg.b"] == {"pkg.c"}  # pkg, its own package, is being imported already
-    assert graph["pkg.c"] == {"pkg.a"}  # not d (type checking), not a function's
+    assert graph["pkg.c"] == {"pkg.a", "pkg.d"}  # d for its types too; not a function's
     assert find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
+    (package / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\nthing = 1\n"
+    )
+    assert find_cycle(import_graph(tmp_path, ("pkg",))) == ["pkg.c", "pkg.d", "pkg.c"]
     (package / "c.py").write_text("thing = 1\n")
     assert find_cycle(import_graph(tmp_path, ("pkg",))) is None
 
@@ -226,7 +236,7 @@ def test_a_module_that_claims_to_be_ray_free_imports_no_ray_even_through_others(
     """No module-level import of ray in it, nor in any module of the tree it imports at
     module level, and so on: the claim holds for what importing the module pulls in (a
     function that imports ray where it runs in a replica says so itself)."""
-    graph = import_graph(ROOT, PACKAGES)
+    graph = import_graph(ROOT, PACKAGES, type_only=False)  # what importing it runs
     paths = modules(ROOT, PACKAGES)
     seen, pending = set(), [module_name(path, ROOT)]
     while pending:
@@ -237,7 +247,7 @@ def test_a_module_that_claims_to_be_ray_free_imports_no_ray_even_through_others(
         tree = ast.parse(paths[name].read_text())
         rays = [
             alias.name if isinstance(node, ast.Import) else node.module
-            for node in module_level_imports(tree)
+            for node in module_level_imports(tree, type_only=False)  # what runs
             for alias in node.names
             if (alias.name if isinstance(node, ast.Import) else node.module or "").split(".")[0]
             == "ray"

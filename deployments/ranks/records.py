@@ -21,8 +21,8 @@ from kimi_encoder.load import Work
 if TYPE_CHECKING:  # names only: this module imports no runtime code
     from ray import ObjectRef
 
-    from ..rank import StoredFeatures
     from ..sinks import Written
+    from ..stored import StoredFeatures
 
 # What a rank answers for one image, one of five forms: its features as an array; their
 # object-store ref (the rank's cache on); ``StoredFeatures`` (kept for a hand-off the

@@ -1,6 +1,9 @@
 """The roster's background calls: load polls, the probe of a down rank, the look-up of a
 slow rank's replica, the hold of a wanted elastic rank, the wake of a starting one, and
-the hand-off's health poll. Each calls through ``Roster.ask`` (the gate, the book)."""
+the hand-off's health poll. Each calls through ``Roster.ask`` (the gate, the book).
+
+They take the roster as the ``RosterView`` below, what they use of it, so this module
+names no type of the roster's module, which calls it."""
 
 from __future__ import annotations
 
@@ -8,22 +11,40 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 from kimi_encoder.load import Work
 
 from . import lifecycle
 from .calls import RankUnavailableError
+from .health import Lateness
 from .lifecycle import HEALTH, HOLD, POLL, PROBE, WAKE
-from .row import LIVE, PARKED, STARTING
-
-if TYPE_CHECKING:
-    from .roster import Roster
+from .row import LIVE, PARKED, STARTING, Row
 
 log = logging.getLogger("ray.serve")
 
 
-async def poll(roster: Roster, ranks: list[int]) -> None:
+class RosterView(Protocol):
+    """What the background calls use of ``roster.Roster``."""
+
+    rows: list[Row]
+    rules: Lateness
+    holds: bool
+    hold_s: float
+    report_timeout_s: float
+    probe_timeout_s: float
+
+    def clock(self) -> float: ...
+    def up(self) -> set[int]: ...
+    async def ask(self, rank: int, purpose: str, timeout_s: float | None, *args: Any) -> Any: ...
+    async def replica_alive(self, rank: int, replica: Any) -> bool: ...
+    def mark_down(self, error: RankUnavailableError, started: float) -> None: ...
+    def dispatched(self, rank: int, work: Work) -> AbstractContextManager[None]: ...
+    def set_phase(self, rank: int, phase: str, wanted: bool, why: str) -> None: ...
+
+
+async def poll(roster: RosterView, ranks: list[int]) -> None:
     """A load report of each of ``ranks``; a miss is booked as one."""
 
     async def one(rank: int) -> None:
@@ -33,7 +54,7 @@ async def poll(roster: Roster, ranks: list[int]) -> None:
     await asyncio.gather(*(one(r) for r in ranks))
 
 
-async def any_answers(roster: Roster, timeout_s: float) -> bool:
+async def any_answers(roster: RosterView, timeout_s: float) -> bool:
     """Whether a rank that is up answers its load report within ``timeout_s``; every
     answer and failure is booked."""
     ranks = sorted(roster.up())
@@ -53,7 +74,7 @@ async def any_answers(roster: Roster, timeout_s: float) -> bool:
     return False
 
 
-async def look_up(roster: Roster, rank: int, replica: Any) -> None:
+async def look_up(roster: RosterView, rank: int, replica: Any) -> None:
     """A slow rank whose last replica no longer exists has failed."""
     if await roster.replica_alive(rank, replica):
         return
@@ -63,7 +84,7 @@ async def look_up(roster: Roster, rank: int, replica: Any) -> None:
         roster.mark_down(RankUnavailableError(rank, why, replica), roster.clock())
 
 
-async def recover(roster: Roster, rank: int) -> None:
+async def recover(roster: RosterView, rank: int) -> None:
     """While ``rank`` is down, probe it every cool-down until it answers."""
     row = roster.rows[rank]
     while (until := row.down_until) is not None:
@@ -80,7 +101,7 @@ async def recover(roster: Roster, rank: int) -> None:
                 row.down_until = roster.clock() + roster.rules.cooldown_s
 
 
-async def hold(roster: Roster, rank: int) -> None:
+async def hold(roster: RosterView, rank: int) -> None:
     """Keep one call open on a wanted elastic rank, so Serve keeps its replica however
     long it has no work; each answer is a load report."""
     while lifecycle.may_call(roster.rows, rank, HOLD, roster.holds) is None:
@@ -90,7 +111,7 @@ async def hold(roster: Roster, rank: int) -> None:
             await asyncio.sleep(roster.rules.cooldown_s)
 
 
-async def wake(roster: Roster, rank: int, timeout_s: float, failed: Callable[[int], None]):
+async def wake(roster: RosterView, rank: int, timeout_s: float, failed: Callable[[int], None]):
     """The call that starts a starting rank, routed for at most ``timeout_s``; the rank
     is live once it answers, parked again (and ``failed(rank)``) if it does not."""
     row, started = roster.rows[rank], roster.clock()
