@@ -64,6 +64,10 @@ def varlen_function() -> Callable | None:
 
 
 Grid = tuple[int, int, int]
+# Grids whose derived tables each cache keeps: a rank fed images of many shapes computes
+# one table per grid, and below the byte bound thousands of small ones added up
+# (docs/benchmarks.md, "Soak").
+TABLE_GRIDS = 64
 ATTENTION_CHOICES = ("auto", "varlen", "sdpa")
 
 
@@ -92,7 +96,7 @@ class PositionEmbedding(nn.Module):
         )
         table = _sincos_table(cfg.hidden_size, cfg.pos_emb_time)  # on the CPU, then moved
         self.register_buffer("time_weight", table.to(torch.get_default_device()), persistent=False)
-        self.tables = TableCache(cache_bytes)
+        self.tables = TableCache(cache_bytes, TABLE_GRIDS)
         self._stamp: tuple | None = None  # what the cached tables were computed from
 
     def reset_buffers(self) -> None:
@@ -196,7 +200,7 @@ class Rope2D(nn.Module):
     def __init__(self, head_dim: int, theta: float, cache_bytes: int = 64 << 20):
         super().__init__()
         self.head_dim, self.theta = head_dim, theta
-        self.tables = TableCache(cache_bytes)
+        self.tables = TableCache(cache_bytes, TABLE_GRIDS)
 
     def forward(self, grids: Sequence[Grid], device: torch.device) -> torch.Tensor:
         out = []

@@ -323,6 +323,42 @@ def test_table_cache_is_a_bounded_lru():
     assert cache.bytes == 0
 
 
+def test_table_cache_keeps_at_most_max_entries_tables():
+    cache = m.TableCache(max_bytes=1 << 20, max_entries=3)
+    for key in range(10):  # tiny tables: far below the byte bound
+        cache.get(key, torch.zeros, 4)
+    assert list(cache._tables) == [7, 8, 9]
+    assert cache.bytes == 3 * 16
+    off = m.TableCache(max_bytes=1 << 20, max_entries=0)
+    assert off.get("a", torch.zeros, 4).numel() == 4
+    assert len(off) == 0
+
+
+@pytest.mark.parametrize(("max_bytes", "max_entries"), [(-1, 4), (4, -1)], ids=["bytes", "entries"])
+def test_table_cache_refuses_a_negative_bound(max_bytes, max_entries):
+    with pytest.raises(ValueError, match=r"max_bytes >= 0 and max_entries >= 0, got"):
+        m.TableCache(max_bytes, max_entries)
+
+
+def test_a_tower_fed_many_grids_keeps_table_grids_tables_each():
+    """Images of many shapes: one position-embedding and one rotary table per grid, at most
+    ``TABLE_GRIDS`` of each kept, the latest grids'."""
+    model = random_model(TINY, seed=3, device="cpu", dtype=torch.float32)
+    pos = model.vision_tower.patch_embed.pos_emb
+    rope = next(mod for mod in model.modules() if isinstance(mod, m.Rope2D))
+    grids = [(1, 2 * h, 2 * w) for h in range(1, 13) for w in range(1, 13)]  # 144 grids
+    assert len(grids) > 2 * m.TABLE_GRIDS
+    with torch.no_grad():
+        for grid in grids:
+            pos([grid])
+            rope([grid], torch.device("cpu"))
+    for cache in (pos.tables, rope.tables):
+        assert len(cache) == m.TABLE_GRIDS
+        assert cache.bytes == sum(t.numel() * t.element_size() for t in cache._tables.values())
+    resampled = [g[1:] for g in grids if g[1:] != tuple(pos.weight.shape[:2])]  # else: itself
+    assert list(pos.tables._tables) == resampled[-m.TABLE_GRIDS :]
+
+
 # ----------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
