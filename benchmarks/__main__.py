@@ -26,6 +26,7 @@ from . import (
     bench_memory,
     bench_padding,
     bench_serve,
+    bench_soak,
     bench_wire,
 )
 from .page import ROOT, DirtyTreeError, Run, arguments, document, with_load
@@ -49,6 +50,7 @@ MODULES = (
     bench_compile_cache,
     bench_padding,
     bench_hub,
+    bench_soak,
 )
 
 INTRO = (

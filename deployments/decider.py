@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from .args import DispatchArgs, ScalingArgs
 from .dispatch import seconds_model
 from .handles import RankHandle, ServeDirectory
+from .heap import start_trimming
 from .metrics import ScalerMetrics
 from .ranks.clock import LoopClock
 from .ranks.decision import Decision, IngressView
@@ -38,6 +39,7 @@ class RankScaler:
         scaling: ScalingArgs,
         dp_min: int,
     ):
+        start_trimming()
         clients = [RankHandle(r, h, dispatch.route_timeout_s) for r, h in enumerate(ranks)]
         self.roster = Roster(
             clients, dispatch, clock=LoopClock(), fixed=dp_min, hold_s=scaling.hold_s

@@ -75,6 +75,7 @@ from .fanout import (
     RankUnavailableError,
     RequestTimeoutError,
 )
+from .heap import start_trimming
 from .ranks import tasks
 from .ranks.lifecycle import PUSH
 from .schemas import EcEntry, EcWriteResponse, Usage
@@ -111,6 +112,7 @@ class HandoffRegistry:
     """
 
     def __init__(self, handoff: HandoffArgs):
+        start_trimming()
         self.registry = ReceiverRegistry(
             ttl_s=handoff.address_ttl_s, max_entries=handoff.max_pending
         )

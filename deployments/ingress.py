@@ -30,6 +30,7 @@ from .engine_gate import EngineGate, behind_haproxy
 from .fanout import FanOut
 from .handles import IngressCache, RankHandle, RegistryHandle, ScalerHandle
 from .handoff import Handoff
+from .heap import start_trimming
 from .metrics import IngressMetrics
 from .ranks import report
 from .ranks.clock import LoopClock
@@ -73,6 +74,7 @@ class EncodeServer:
         whether the ranks keep a feature cache (cache affinity follows it); ``scaler``
         (elastic ranks): the app's ``RankScaler``, whose decision this replica follows
         (``ranks.follower.Follower``); the first ``dp_min`` ranks always run."""
+        start_trimming()
         self.model = model
         vision, preprocess, self.model_name = resolve_configs(model.checkpoint)
         self.vision = vision

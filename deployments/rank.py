@@ -25,6 +25,7 @@ from kimi_encoder.hub import is_hub
 from .args import ModelArgs, RankArgs
 from .batcher import RankBatcher
 from .batching import NOT_CACHED, raise_first_error
+from .heap import start_trimming
 from .leases import MemoryLeases, items_bytes
 from .metrics import DELIVER, RankMetrics
 from .ranks.calls import EncodeCall
@@ -77,6 +78,7 @@ class EncoderRank:
         ``ranks`` as this rank runs it; ``ingress_cache_share`` the object-store bytes the
         ingress caches may keep alive (``check_cache_fits``)."""
         self.rank = rank
+        start_trimming()
         check_resources(rank, ranks.actor_options.ray_resources(), ray.get_runtime_context())
         num_threads = ranks.num_threads
         torch.set_num_threads(num_threads)

@@ -9,7 +9,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 
 from kimi_encoder.weights import start_allowance_s
 
-from .base import GLIBC_TUNABLES, TUNABLE, Section, part
+from .base import GLIBC_TUNABLES, TRIM_ENV, TUNABLE, Section, part
 from .dispatch import DispatchArgs
 from .handoff import HandoffArgs
 from .ingress import IngressArgs, RequestLimits
@@ -106,6 +106,15 @@ class AppArgs(Section):
         "block for each multi-MB answer body (no per-block mmap, freed memory kept up to "
         "256 MB per heap), so each body reuses pages already faulted in; '' leaves the "
         "cluster's environment as it is.",
+    )
+    malloc_trim_s: float = Field(
+        5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="Seconds between malloc_trim(0) calls in each replica process (ingress, "
+        "ranks, hand-off registry, scaler; passed as KIMI_ENCODER_MALLOC_TRIM_S): freed heap "
+        "pages go back to the kernel, so resident memory follows what is in use under images "
+        "of many shapes (docs/benchmarks.md, Soak); 0: never.",
     )
 
     @model_validator(mode="before")
@@ -252,6 +261,7 @@ class AppArgs(Section):
 
     def replica_env(self) -> dict:
         """``ray_actor_options`` entries every replica of the app gets (its environment)."""
-        if not self.glibc_tunables:
-            return {}
-        return {"runtime_env": {"env_vars": {"GLIBC_TUNABLES": self.glibc_tunables}}}
+        env = {TRIM_ENV: f"{self.malloc_trim_s:g}"}
+        if self.glibc_tunables:
+            env["GLIBC_TUNABLES"] = self.glibc_tunables
+        return {"runtime_env": {"env_vars": env}}

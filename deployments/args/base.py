@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # "Measurements behind the code"). The price: up to trim_threshold of freed memory stays
 # resident per heap.
 GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456"
+# The replicas' environment variable of ``malloc_trim_s`` (deployments/heap.py).
+TRIM_ENV = "KIMI_ENCODER_MALLOC_TRIM_S"
 TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
 
 

@@ -12,7 +12,7 @@ from images import gray_png
 
 from deployments.args import BatchingArgs, DispatchArgs
 from deployments.batcher import RankBatcher
-from deployments.dispatch import Dispatcher
+from deployments.dispatch import HOLDERS_CAPACITY, Dispatcher, Plan
 from deployments.ranks.roster import Roster
 from kimi_encoder.cache import FeatureCache, item_key
 from kimi_encoder.config import get_preset, resolve_configs
@@ -124,3 +124,22 @@ def test_oversized_value_not_cached_and_values_read_only():
 def test_negative_size_rejected():
     with pytest.raises(ValueError, match="cache max_bytes must be >= 0"):
         FeatureCache(-1)
+
+
+def test_the_ingress_remembers_at_most_holders_capacity_image_keys():
+    """Cache affinity remembers which rank caches each image for the latest
+    ``HOLDERS_CAPACITY`` keys: unique images without end keep it at that size."""
+    dispatcher = Dispatcher(
+        Roster([FakeRank(0)], DispatchArgs()),
+        DispatchArgs(),
+        model_name="tiny",
+        dtype="float32",
+        cache_enabled=True,
+    )
+    n = HOLDERS_CAPACITY + 100
+    keys = [f"{i:064x}" for i in range(n)]
+    plan = Plan([0] * n, {0: list(range(n))}, list(range(n)), keys, [], set())
+    dispatcher.record(plan)
+    assert len(dispatcher._holders) == HOLDERS_CAPACITY
+    assert next(iter(dispatcher._holders)) == keys[100]  # the oldest were let go
+    assert keys[-1] in dispatcher._holders
