@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import threading
 from collections.abc import Mapping
@@ -49,8 +50,10 @@ def period_s(environ: Mapping[str, str] = os.environ) -> float:
         raise ValueError(
             f"{TRIM_ENV} must be a number of seconds >= 0 (args' malloc_trim_s), got {value!r}."
         ) from None
-    if seconds < 0:
-        raise ValueError(f"{TRIM_ENV} must be >= 0 (args' malloc_trim_s), got {value!r}.")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(
+            f"{TRIM_ENV} must be a finite number >= 0 (args' malloc_trim_s), got {value!r}."
+        )
     return seconds
 
 
