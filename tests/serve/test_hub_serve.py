@@ -80,12 +80,11 @@ def test_dp2_fetches_once_per_node_and_a_second_start_asks_nothing(hub, tmp_path
         answer = requests.post(f"{url}/v1/encode", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
         items = answer.json()["items"]
-        assert {i["owner_rank"] for i in items} == {0, 1}  # both ranks serve the fetched weights
         for item, w in zip(items, want, strict=True):
             np.testing.assert_array_equal(decode_features(item), w.numpy())
         info = requests.get(f"{url}/v1/info", timeout=30).json()
         assert info["model"] == REPO
-        weights = [r["weights"] for r in info["ranks"]]
+        weights = [r["weights"] for r in info["ranks"]]  # both ranks loaded the fetched copy
     finally:
         interrupt(process)
     assert {w["commit"] for w in weights} == {hub.commit}
