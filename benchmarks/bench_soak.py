@@ -39,7 +39,7 @@ from .common import Section, table
 from .page import arguments, pyplot, save_plot, standalone
 from .served import ServeRun, served_config
 from .serving import free_port
-from .soak_memory import Sampler, changes, look, memory, trim_loop
+from .soak_memory import Sampler, changes, look, memory, trim_loop, trimmed, trimmed_growth
 from .soak_mix import Checker, Mix, Outcome, client
 
 MIB = 1 << 20
@@ -68,10 +68,12 @@ def soak(
     every_s: float,
     probe: str | None = None,
     trim_every_s: float = 0.0,
+    trimmed_app: str | None = None,
 ):
     """Run the load against ``url`` while sampling the processes under ``root_pid``;
     ``probe``: the app whose replicas ``soak_probe`` looks into after warm-up and at the
-    end."""
+    end; ``trimmed_app``: the app whose replicas' RssAnon is also read right after a
+    ``malloc_trim`` then (``soak_memory.trimmed``: without the last seconds' free pages)."""
     checker = Checker()
     seconds = minutes * 60
     sampler = Sampler(root_pid, every_s)
@@ -93,15 +95,20 @@ def soak(
     if trim_every_s and probe:
         trims = threading.Thread(target=trim_loop, args=(root_pid, probe, trim_every_s, stop_trims))
         trims.start()
-    looked = {}
-    if probe:
+    looked, trims = {}, {}
+    if probe or trimmed_app:
         threads[0].join(timeout=seconds / 3)
+    if probe:
         looked["warm"] = look(root_pid, probe, start=True)
+    if trimmed_app:
+        trims["warm"] = trimmed(root_pid, trimmed_app)
     for thread in threads:
         thread.join()
     stop_trims.set()
     if probe and "error" not in looked["warm"]:
         looked["end"] = look(root_pid, probe, start=False)
+    if trimmed_app:
+        trims["end"] = trimmed(root_pid, trimmed_app)
     sampler.stop()
     elapsed = time.monotonic() - t0
     for one in results:
@@ -129,6 +136,7 @@ def soak(
         "p99_ratio": round(last / second, 2),
         "problems": (tally.problems + total.bad_not_4xx)[:10],
         "probe": changes(looked) if looked else None,
+        "trimmed": trimmed_growth(trims["warm"], trims["end"]) if trims else None,
         "memory": memory(sampler.named(), elapsed, max(3 * every_s, elapsed / 30)),
         "series": {
             k: [(round(t, 1), round(v, 2)) for t, v in s] for k, s in sampler.named().items()
@@ -157,6 +165,7 @@ def served(
     every_s: float,
     probe: bool = False,
     trim_every_s: float = 0.0,
+    trimmed: bool = False,
     config: Path = ROOT / "configs" / "config.yaml",
 ) -> dict:
     """The soak against ``serve run`` of ``config`` with ``caches`` and ``tunables``."""
@@ -179,6 +188,7 @@ def served(
             every_s,
             "soak" if probe or trim_every_s else None,
             trim_every_s,
+            "soak" if trimmed else None,
         )
     figures |= {"caches": caches, "tunables": tunables, "app_fields": fields}
     return figures

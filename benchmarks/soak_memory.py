@@ -4,6 +4,10 @@ at the end; the growth and slope figures ``bench_soak`` checks."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -11,6 +15,7 @@ from collections import Counter
 import numpy as np
 import psutil
 
+from .checkout import ROOT, pythonpath
 from .cpu import role
 
 MIB = 1 << 20
@@ -146,6 +151,40 @@ def look(root_pid: int, app: str, start: bool) -> dict:
         out["heap"] = sp.call(handles, sp.heap_start if start else sp.heap_top)
     except Exception as exc:  # noqa: BLE001 (the soak goes on; the report says what failed)
         return {"error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def trimmed(root_pid: int, app: str) -> dict[str, float]:
+    """RssAnon (MiB) of each replica of ``app`` right after a ``malloc_trim(0)`` in it: what
+    it holds without the free pages of the last few seconds' work (the replicas trim every
+    ``malloc_trim_s`` anyway; a sample between two trims also counts what a batch freed)."""
+    # In a process of its own: this one may already be a driver of another cluster (a test
+    # session's).
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.soak_probe", str(root_pid), app],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath(), "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=180,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def trimmed_growth(warm: dict[str, float], end: dict[str, float]) -> dict[str, dict]:
+    """Per replica: trimmed RssAnon after warm-up and at the end, growth, bound, pass."""
+    out = {}
+    for name in sorted(set(warm) & set(end)):
+        bound = max(GROWTH_MIB, GROWTH_SHARE * warm[name])
+        growth = end[name] - warm[name]
+        out[name] = {
+            "warm_mib": round(warm[name], 1),
+            "end_mib": round(end[name], 1),
+            "growth_mib": round(growth, 1),
+            "bound_mib": round(bound, 1),
+            "ok": growth <= bound,
+        }
     return out
 
 

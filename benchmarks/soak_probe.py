@@ -22,6 +22,7 @@ import os
 import re
 import tempfile
 import tracemalloc
+from collections import Counter
 
 import psutil
 
@@ -51,14 +52,17 @@ def replicas(app: str) -> dict[str, object]:
     """Actor handles of ``app``'s replicas, by deployment name (and a count where several)."""
     import ray
 
+    found = [
+        actor
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith("SERVE_REPLICA::") and f"{app}#" in actor["name"]
+    ]
+    count = Counter(actor["name"].split("#")[1] for actor in found)
     out: dict[str, object] = {}
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        name = actor["name"]
-        if not name.startswith("SERVE_REPLICA::") or f"{app}#" not in name:
-            continue
-        deployment = name.split("#")[1]
-        key = deployment if deployment not in out else f"{deployment} #{len(out)}"
-        out[key] = ray.get_actor(name, namespace=actor["namespace"])
+    for actor in sorted(found, key=lambda a: a["name"]):
+        _, deployment, replica = actor["name"].split("#")
+        key = deployment if count[deployment] == 1 else f"{deployment} {replica}"
+        out[key] = ray.get_actor(actor["name"], namespace=actor["namespace"])
     return out
 
 
@@ -190,8 +194,31 @@ def allocator(actor=None) -> dict[str, float]:
     return out
 
 
+def rss_anon_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def trim(actor=None) -> dict[str, float]:
-    before = psutil.Process().memory_full_info()
+    """``malloc_trim(0)`` here, and this process's RssAnon before and after it."""
+    before = rss_anon_mib()
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    after = psutil.Process().memory_full_info()
-    return {"rss_before_mib": before.rss / 2**20, "rss_after_mib": after.rss / 2**20}
+    return {"before_mib": before, "after_mib": rss_anon_mib()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m benchmarks.soak_probe ROOT_PID APP``: trim every replica of APP in the
+    cluster under ROOT_PID and print their RssAnon after it (MiB) as one JSON line."""
+    import json
+    import sys
+
+    root, app = (argv or sys.argv[1:])[:2]
+    attach(int(root))
+    print(json.dumps({name: row["after_mib"] for name, row in call(replicas(app), trim).items()}))
+
+
+if __name__ == "__main__":
+    main()
