@@ -106,12 +106,7 @@ def resolve_commit(ref: HubRef, hub: Hub) -> tuple[str, Listing | None]:
     if hub.is_offline():
         if refs.is_file():
             return refs.read_text().strip(), None
-        raise HubError(
-            f"HF_HUB_OFFLINE is set and no fetch of {ref} is cached in "
-            f"{hub.cache(ref.repo_id)}: run `kimi-encoder fetch {ref}` where the hub can be "
-            "reached (with the same HF_HOME, or copy that folder here), or unset "
-            "HF_HUB_OFFLINE."
-        )
+        raise _offline_error(ref, None, hub)
     listing = list_files(hub, ref, ref.revision)
     refs.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(refs, listing.commit)
@@ -197,11 +192,18 @@ def _found(target: Path, ref: HubRef, commit: str) -> Fetched | None:
     return Fetched(**{**data, "path": str(target), "revision": ref.revision, "cached": True})
 
 
-def _offline_error(ref: HubRef, commit: str, hub: Hub) -> HubError:
+def _offline_error(ref: HubRef, commit: str | None, hub: Hub) -> HubError:
+    """Offline with nothing to start from: no commit known for ``ref``'s revision, or
+    none of ``commit`` fetched."""
+    what = (
+        f"no fetch of {ref} is cached in"
+        if commit is None
+        else f"{ref} (commit {commit}) has not been fetched into"
+    )
     return HubError(
-        f"HF_HUB_OFFLINE is set and {ref} (commit {commit}) has not been fetched into "
-        f"{hub.cache(ref.repo_id)}: run `kimi-encoder fetch {ref}` where the hub can be "
-        "reached (with the same HF_HOME, or copy that folder here), or unset HF_HUB_OFFLINE."
+        f"HF_HUB_OFFLINE is set and {what} {hub.cache(ref.repo_id)}: run "
+        f"`kimi-encoder fetch {ref}` where the hub can be reached (with the same HF_HOME, "
+        "or copy that folder here), or unset HF_HUB_OFFLINE."
     )
 
 
