@@ -33,9 +33,10 @@ FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
 
 
 # The modules that measure under a load they make themselves (faults under load, the
-# device script's served windows on CPU) run by themselves, after the parallel pass: a
-# second worker's cluster on the same two cores would be part of what they measure.
-ALONE = ("chaos", "serve/test_gpu_served.py")
+# device script's served windows on CPU, elastic ranks that must start within a bound
+# while the load runs) run by themselves, after the parallel pass: a second worker's
+# cluster on the same two cores would be part of what they measure.
+ALONE = ("chaos", "serve/test_gpu_served.py", "serve/test_elastic.py")
 
 # A test that runs a device script end to end on CPU (its fixtures run
 # benchmarks/gpu_check.py or gpu_served.py as CI does) takes a minute or more, mostly

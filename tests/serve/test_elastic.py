@@ -66,7 +66,12 @@ def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
                 clients.append(pool.submit(ramp.client, k))
                 time.sleep(0.25)
             try:
-                wait_for(lambda: info(url)["ranks_live"] == [0, 1, 2], UP_WITHIN_S, "3 ranks")
+                try:
+                    wait_for(lambda: info(url)["ranks_live"] == [0, 1, 2], UP_WITHIN_S, "3 ranks")
+                except AssertionError as missed:  # say where each rank stood, and why
+                    now = info(url)
+                    states = [(r["rank"], r["state"], r.get("reason")) for r in now["ranks"]]
+                    raise AssertionError(f"{missed}: {states}; {now['scaling']}") from None
                 up_s = time.monotonic() - started
                 time.sleep(AFTER_UP_S)
             finally:
