@@ -147,6 +147,7 @@ def look(root_pid: int, app: str, start: bool) -> dict:
         out = {
             "structures": sp.call(handles, sp.structures),
             "allocator": sp.call(handles, sp.allocator),
+            "mappings": sp.call(handles, sp.mappings),
         }
         out["heap"] = sp.call(handles, sp.heap_start if start else sp.heap_top)
     except Exception as exc:  # noqa: BLE001 (the soak goes on; the report says what failed)
@@ -214,6 +215,7 @@ def changes(looked: dict) -> dict:
         out[name] = {
             "grew": {k: (before.get(k), v) for k, v in sizes.items() if before.get(k) != v},
             "allocator": (warm["allocator"].get(name), end["allocator"][name]),
+            "mappings": (warm["mappings"].get(name), end["mappings"][name]),
             "heap": end["heap"][name],
         }
     return out

@@ -8,6 +8,8 @@ the app through Ray's ``__ray_call__`` (a function called with the actor instanc
 - ``structures``: the length of every dict, list, deque and set reachable from the
   replica's deployment object through our own classes (``deployments.*``,
   ``kimi_encoder.*``), by attribute path, and the bytes of every byte-bounded cache;
+- ``mappings``: private anonymous memory by kind of mapping (glibc's heaps, Python's
+  arenas, thread stacks) and the number of pymalloc arenas and threads;
 - ``allocator``: glibc's ``mallinfo2`` (bytes in use, free in the heaps, in mmapped
   blocks, the main heap's size) and the number of malloc arenas (``malloc_info``);
   ``trim`` calls ``malloc_trim(0)`` and says what it gave back.
@@ -191,6 +193,51 @@ def allocator(actor=None) -> dict[str, float]:
     sizes = re.findall(r'<system type="current" size="(\d+)"/>', xml)
     out["arena_bytes_mib"] = sum(int(s) for s in sizes[:-1]) / mib
     out["env_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
+    return out
+
+
+def _pymalloc_arenas() -> int:
+    """Python's small-object allocator's arenas in use (``sys._debugmallocstats``, which
+    writes to the C stderr: read through a file put there for the call)."""
+    import sys
+
+    with tempfile.TemporaryFile() as f:
+        saved = os.dup(2)
+        try:
+            os.dup2(f.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        found = re.search(rb"# arenas allocated current\s*=\s*([\d,]+)", f.read())
+    return int(found.group(1).replace(b",", b"")) if found else -1
+
+
+def mappings(actor=None) -> dict[str, float]:
+    """This process's private anonymous memory (MiB, ``/proc/self/smaps``) in glibc's main
+    heap (``[heap]``), in other anonymous mappings (glibc's other arenas, Python's 1 MiB
+    small-object arenas, thread stacks, torch's and Ray's own: the kernel merges
+    neighbours, so their sizes do not say which is which) and in private file pages; the
+    number of pymalloc arenas (1 MiB each) and of threads."""
+    kinds: Counter = Counter()
+    name = ""
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+                name = head[5] if len(head) > 5 else ""
+            elif head[0] == "Anonymous:" and int(head[1]):
+                if name == "[heap]":
+                    kind = "main heap"
+                elif name and not name.startswith("["):
+                    kind = "file-backed (private)"
+                else:
+                    kind = "anonymous mappings"
+                kinds[kind] += int(head[1])
+    out = {f"{kind} MiB": kib / 1024 for kind, kib in sorted(kinds.items())}
+    out["pymalloc arenas"] = _pymalloc_arenas()
+    out["threads"] = len(os.listdir("/proc/self/task"))
     return out
 
 

@@ -90,10 +90,12 @@ class RankBatcher:
         num_threads: int,
         *,
         cache_bytes: int = 0,
+        cache_entries: int = 1024,
         calibration_grids: Sequence[int] = (),
         keep: Callable[[torch.Tensor], Any] | None = None,
     ):
-        """A feature cache of ``cache_bytes`` (0: none); the cost model fitted over
+        """A feature cache of ``cache_bytes`` (0: none) and at most ``cache_entries``
+        images; the cost model fitted over
         ``calibration_grids`` (none: patch counts). ``keep`` (optional) turns an image's
         host features into what is cached and delivered (it must have ``nbytes``); it runs
         on a store thread of its own, after the copy thread."""
@@ -123,7 +125,7 @@ class RankBatcher:
         device = encoder.device
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._deliveries: set[asyncio.Task] = set()
-        self.cache = FeatureCache(cache_bytes)
+        self.cache = FeatureCache(cache_bytes, cache_entries)
         self.model_dtype = dtype_name(encoder.dtype)
         self.cost_model, self.calibration = self._calibrate(calibration_grids)
         self.counters = BatchCounters()
@@ -254,7 +256,11 @@ class RankBatcher:
             "cost_model": {**self.cost_model.as_dict(), **self.calibration},
             "batching": self.config.model_dump(),
             "outstanding": {"images": total.images, "patches": total.patches},
-            "cache": {"max_bytes": self.cache.max_bytes, **asdict(self.cache.stats)},
+            "cache": {
+                "max_bytes": self.cache.max_bytes,
+                "max_entries": self.cache.max_entries,
+                **asdict(self.cache.stats),
+            },
             "decode_processes": self._procs.info() if self._procs is not None else None,
             **{
                 k: round(v, 3) if isinstance(v, float) else v

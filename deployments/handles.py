@@ -225,8 +225,8 @@ class IngressCache:
     change, so they stay right to answer with (the store's bound counts them:
     ``rank.check_cache_fits``)."""
 
-    def __init__(self, max_bytes: int):
-        self.entries = FeatureCache(max_bytes)
+    def __init__(self, max_bytes: int, max_entries: int = 1024):
+        self.entries = FeatureCache(max_bytes, max_entries)
 
     def lookup(self, keys: Sequence[str]) -> dict[int, tuple[np.ndarray, int]]:
         return {
@@ -240,7 +240,11 @@ class IngressCache:
 
     def info(self) -> dict[str, Any]:
         stats = self.entries.stats
-        return {"max_bytes": self.entries.max_bytes, **vars(stats)}
+        return {
+            "max_bytes": self.entries.max_bytes,
+            "max_entries": self.entries.max_entries,
+            **vars(stats),
+        }
 
 
 class RankHandle:

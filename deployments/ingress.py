@@ -105,7 +105,11 @@ class EncodeServer:
         self.elastic = None
         if scaler is not None:
             self.elastic = Follower(self.roster, fixed, ScalerHandle(scaler))
-        self.kept = IngressCache(ingress.cache_bytes) if ingress.cache_bytes else None
+        self.kept = (
+            IngressCache(ingress.cache_bytes, ingress.cache_entries)
+            if ingress.cache_bytes
+            else None
+        )
         self.metrics = IngressMetrics(len(ranks))
         self.roster.on_change = self._publish_live
         self.fanout = FanOut(

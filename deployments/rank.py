@@ -102,6 +102,7 @@ class EncoderRank:
             ranks.batching,
             num_threads,
             cache_bytes=ranks.cache_bytes,
+            cache_entries=ranks.cache_entries,
             calibration_grids=ranks.calibration_grids,
             keep=StoredFeatures.put if ranks.cache_bytes else None,
         )

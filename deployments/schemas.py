@@ -322,7 +322,7 @@ class InfoResponse(BaseModel):
         None,
         description="This ingress replica's cache of the ranks' cached features, held as "
         "read from the object store (ingress.cache_bytes; null when off): max_bytes, "
-        "bytes, entries, hits, misses, evictions.",
+        "max_entries, bytes, entries, hits, misses, evictions.",
     )
     handoff: dict[str, Any] | None = Field(
         None,

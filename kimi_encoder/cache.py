@@ -69,12 +69,23 @@ class CacheStats:
 
 class FeatureCache:
     """Thread-safe LRU of feature arrays (torch tensors or numpy arrays), bounded in bytes
-    (0 disables it). Entries are handed out as they are, shared: never modify one."""
+    (0 disables it) and in entries. Entries are handed out as they are, shared: never
+    modify one.
 
-    def __init__(self, max_bytes: int):
+    The entry bound caps what the cache costs besides the features' bytes: each entry's
+    key and record (and, in a rank, its object-store reference: about 2 KiB of Ray's
+    bookkeeping) live on the heap among each request's short-lived allocations, so a
+    cache that is still filling keeps pages of the heap from being given back. Small
+    features (a small model, thumbnails) reach the entry bound long before the byte bound
+    (docs/benchmarks.md, Soak)."""
+
+    def __init__(self, max_bytes: int, max_entries: int = 1024):
         if max_bytes < 0:
             raise ValueError(f"cache max_bytes must be >= 0, got {max_bytes}.")
+        if max_entries < 1:
+            raise ValueError(f"cache max_entries must be >= 1, got {max_entries}.")
         self.max_bytes = max_bytes
+        self.max_entries = max_entries
         self._data: OrderedDict[str, Features] = OrderedDict()
         self._lock = threading.Lock()
         self.stats = CacheStats()
@@ -105,7 +116,7 @@ class FeatureCache:
                 self.stats.bytes -= old.nbytes
             self._data[key] = value
             self.stats.bytes += size
-            while self.stats.bytes > self.max_bytes:
+            while self.stats.bytes > self.max_bytes or len(self._data) > self.max_entries:
                 _, evicted = self._data.popitem(last=False)
                 self.stats.bytes -= evicted.nbytes
                 self.stats.evictions += 1

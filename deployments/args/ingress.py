@@ -97,6 +97,12 @@ class IngressArgs(Section):
         "store after its rank's cache drops it, so the store holds up to dp_size x "
         "ranks.cache_bytes + replicas x this; needs ranks.cache_bytes > 0. 0 disables it.",
     )
+    cache_entries: int = Field(
+        1024,
+        ge=1,
+        description="Most images this cache keeps, whatever their bytes: each entry's key and "
+        "mapped array live on the ingress's heap (ranks.cache_entries says why).",
+    )
 
     @field_validator("actor_options")
     @classmethod

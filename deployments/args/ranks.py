@@ -61,6 +61,14 @@ class RankArgs(Section):
         description="Per-rank LRU feature cache in bytes, kept in Ray's object store (0 "
         "disables it and cache affinity).",
     )
+    cache_entries: int = Field(
+        1024,
+        ge=1,
+        description="Most images the rank's feature cache keeps, whatever their bytes: each "
+        "entry's key, record and object-store reference (about 2 KiB) live on the rank's "
+        "heap, so a cache of many small features stops growing there once this many are "
+        "kept. Real-model features (about 14 KB a token) reach cache_bytes first.",
+    )
     # Small sides: calibration must stay a few seconds on a CPU; GPU configs add larger ones.
     calibration_grids: list[int] = Field(
         [8, 16, 32],

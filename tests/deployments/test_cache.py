@@ -112,6 +112,32 @@ def test_lru_bounded_in_bytes():
     assert cache.stats.misses == 1
 
 
+def test_lru_bounded_in_entries_whatever_the_bytes():
+    """Small features reach the entry bound first: past it the oldest go, bytes to spare."""
+    cache = FeatureCache(max_bytes=1 << 20, max_entries=3)
+    for i in range(7):
+        cache.put(f"k{i}", np.zeros(4, dtype=np.float32))
+        cache.get("k0")  # kept warm: the least recently used go, not the first put
+    assert cache.stats.entries == 3
+    assert cache.stats.bytes == 3 * 16
+    assert cache.stats.evictions == 4
+    assert [f"k{i}" in cache for i in range(7)] == [True, False, False, False, False, True, True]
+
+
+def test_a_rank_keeps_at_most_cache_entries_images(encoder):
+    """A rank's cache, filled past ``cache_entries`` with images whose features are far
+    below ``cache_bytes``, keeps that many: the most recent."""
+    images = [gray_png(bytes(range(i, 256)) * 4, (30, 30)) for i in range(5)]
+    rank = RankBatcher(encoder, BatchingArgs(), 1, cache_bytes=1 << 20, cache_entries=2)
+    for image in images:
+        asyncio.run(rank.encode([encoder.plan(image)], "c", "float32"))
+    stats = rank.info()["cache"]
+    assert (stats["entries"], stats["max_entries"], stats["evictions"]) == (2, 2, 3)
+    assert stats["bytes"] < stats["max_bytes"] // 100
+    again = asyncio.run(rank.encode([encoder.plan(images[-1])], "c", "float32"))
+    assert rank.info()["cache"]["hits"] == 1, again
+
+
 def test_oversized_value_not_cached_and_values_read_only():
     cache = FeatureCache(max_bytes=100)
     cache.put("big", np.zeros(1000, dtype=np.float32))
@@ -124,6 +150,8 @@ def test_oversized_value_not_cached_and_values_read_only():
 def test_negative_size_rejected():
     with pytest.raises(ValueError, match="cache max_bytes must be >= 0"):
         FeatureCache(-1)
+    with pytest.raises(ValueError, match="cache max_entries must be >= 1, got 0"):
+        FeatureCache(1024, max_entries=0)
 
 
 def test_the_ingress_remembers_at_most_holders_capacity_image_keys():

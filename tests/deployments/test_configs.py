@@ -147,6 +147,14 @@ def test_cpu_config_fits_two_cores():
             r"ranks.cache_bytes is 0 \(no rank cache\); set ranks.cache_bytes > 0",
         ),
         (
+            {"ranks": {"cache_entries": 0}},
+            r"ranks.cache_entries\n  Input should be greater than or equal to 1",
+        ),
+        (
+            {"ingress": {"cache_entries": -1}},
+            r"ingress.cache_entries\n  Input should be greater than or equal to 1",
+        ),
+        (
             {"ranks": {"calibration_grids": [8, 9]}},
             r"calibration_grids must be even sides >= 2 \(the 2x2 patch merge\), got \[9\]",
         ),
@@ -207,6 +215,8 @@ def test_cpu_config_fits_two_cores():
         "ongoing",
         "queue",
         "ingress-cache-without-rank-cache",
+        "rank-cache-entries",
+        "ingress-cache-entries",
         "odd-grid",
         "batch-budget",
         "dp-range-reversed",
