@@ -29,16 +29,7 @@ from dataclasses import dataclass, field
 
 from .common import Section, ratio, spread, table
 from .page import standalone
-from .serving import (
-    Cluster,
-    Encode,
-    Http,
-    bench_args,
-    bind,
-    closed_loop,
-    get_json,
-    request_stream,
-)
+from .serving import Cluster, Encode, bench_args, closed_loop, request_stream
 
 CLIENTS = 16
 PER_REQUEST = 4
@@ -123,7 +114,6 @@ def sections(quick: bool) -> list[Section]:
     figures = {n: Figures() for n in INGRESS}
     scaling = {}
     with Cluster(logical_cpus=24) as cluster:
-        client = Http(cluster.port)
         encodes = {}
         for n in INGRESS:
             apps = {
@@ -133,7 +123,7 @@ def sections(quick: bool) -> list[Section]:
                 ),
             }
             for name, args in apps.items():
-                encodes[name] = Encode(client, cluster.deploy(name, bind(args)), stream)
+                encodes[name] = cluster.encode(name, args, stream)
             encodes[f"fixed{n}"].send(0)  # warm-up; an elastic app's first request: its ramp's
         for _ in range(s.repeats):
             for n in INGRESS:
@@ -147,7 +137,7 @@ def sections(quick: bool) -> list[Section]:
                 wait(lambda e=elastic: back_to_one(e), "back to one rank")
                 f.back_to_one_s.append(time.monotonic() - stopped)
         for n in INGRESS:
-            scaling[n] = get_json(client, f"/elastic{n}/v1/info")["scaling"]
+            scaling[n] = encodes[f"elastic{n}"].info()["scaling"]
     return [section(s, figures, scaling)]
 
 

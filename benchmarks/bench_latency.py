@@ -20,17 +20,7 @@ import numpy as np
 
 from .common import Section, spread, table
 from .page import pyplot, save_plot, standalone
-from .serving import (
-    CLIENTS,
-    PER_REQUEST,
-    Cluster,
-    Encode,
-    Http,
-    bench_args,
-    bind,
-    closed_loop,
-    request_stream,
-)
+from .serving import CLIENTS, PER_REQUEST, Cluster, Encode, bench_args, closed_loop, request_stream
 
 
 @dataclass(frozen=True)
@@ -80,11 +70,10 @@ def sections(quick: bool) -> list[Section]:
     stream = request_stream(24)
     curves = {}
     with Cluster() as cluster:
-        client = Http(cluster.port)
         encodes = {}
         for dp in (1, 2):
             app = bench_args(s.preset, dp, feature_cache_bytes=0)
-            encodes[dp] = Encode(client, cluster.deploy(f"{s.preset}-dp{dp}", bind(app)), stream)
+            encodes[dp] = cluster.encode(f"{s.preset}-dp{dp}", app, stream)
             encodes[dp].send(0)  # warm-up
         windows = [
             closed_loop(encodes[1].send, CLIENTS, s.saturation_window_s)

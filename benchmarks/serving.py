@@ -127,12 +127,14 @@ class Cluster:
     """A one-machine Ray cluster with Serve on a free loopback port (context manager).
 
     ``logical_cpus`` is what Ray may hand out, not the machine's cores: each rank
-    reserves one, and several apps are deployed side by side.
+    reserves one, and several apps are deployed side by side. ``client`` posts to its
+    Serve proxy.
     """
 
     def __init__(self, logical_cpus: int = 16):
         self.logical_cpus = logical_cpus
         self.port = 0
+        self.client: Http | None = None
 
     def __enter__(self) -> Cluster:
         import ray
@@ -146,6 +148,7 @@ class Cluster:
         )
         self.port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+        self.client = Http(self.port)
         return self
 
     def deploy(self, name: str, app) -> str:
@@ -154,6 +157,12 @@ class Cluster:
 
         serve.run(app, name=name, route_prefix=f"/{name}")
         return f"/{name}"
+
+    def encode(self, name: str, args, stream: list[list[bytes]]) -> Encode:
+        """The app of ``args`` (``bench_args``) run as ``name``: its ``/v1/encode`` with
+        the bodies of ``stream``, sent by ``client``."""
+        assert self.client is not None, "a Cluster deploys inside its with block"
+        return Encode(self.client, self.deploy(name, bind(args)), stream)
 
     def delete(self, name: str) -> None:
         from ray import serve
