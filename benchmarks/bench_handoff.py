@@ -43,87 +43,34 @@ measurement.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import sys
 import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import psutil
-import zmq
 
 from . import cpu
-from .common import Section, alternate, line_through, ratio, spread, table
+from .common import Section, alternate, ratio, spread, table
+from .cpu_line import SIDES, Run, line_table, warmed_parts, with_cpu
 from .page import arguments, standalone
 from .paths import (
     CLIENTS,
-    HANDOFF_APP,
     IMAGES_PER_PART,
     PARTS,
     SIDE,
     Sink,
-    deploy_handoff,
     floor_app,
     handoff,
+    handoff_app,
     http_body,
     part_images,
     plain_zmq,
     vllm_files,
     warm_up,
 )
-from .serving import K3_WIDTH, Http, free_port, server_failed, tmpfs, wide_checkpoint
+from .serving import K3_WIDTH, Http, server_failed, tmpfs
 
 HEADER = ["path", "MB/s", "parts/s", "vs plain ZMQ (MB/s)"]
 FLOOR = "floor"
-
-
-@dataclasses.dataclass
-class Run:
-    """One window of a path: feature MB/s, parts (messages) per second, how many, and
-    where the CPU went meanwhile."""
-
-    mb_per_s: float
-    per_s: float
-    count: int
-    usage: cpu.Usage
-    app: str = HANDOFF_APP  # whose replicas are the ingress and ranks of this path
-
-    def cpu_ms(self, label: str | None = None) -> float:
-        """CPU-ms per part of one process label (``cpu.labeller``), or of all ours."""
-        labels = self.usage.grouped(cpu.labeller(self.app))
-        seconds = self.usage.ours_s if label is None else labels.get(label, 0.0)
-        return seconds * 1e3 / max(self.count, 1)
-
-
-def with_cpu(run, app: str = HANDOFF_APP) -> Run:
-    """``run()`` -> (MB/s, per second, count), with the CPU of every process around it."""
-    before = cpu.snapshot()
-    mb, rate, count = run()
-    return Run(mb, rate, count, cpu.usage(before, cpu.snapshot()), app)
-
-
-@contextlib.contextmanager
-def handoff_app(ec_root: str) -> Iterator[tuple[Http, str, Sink, zmq.Context]]:
-    """A one-machine cluster running the hand-off app (files under ``ec_root``) and the
-    Serve floor: (client, the app's prefix, a ZMQ sink here, its context)."""
-    import ray
-    from ray import serve
-
-    context = zmq.Context()
-    sink = Sink(context)
-    with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = wide_checkpoint(Path(tmp) / "wide", k3_preprocess=True)
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield Http(port), deploy_handoff(checkpoint, ec_root), sink, context
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            sink.close()
-            context.term()
 
 
 PARTS_OF = ("throughput", "cpu")  # --only: the sections' parts
@@ -243,17 +190,13 @@ def cpu_tables(measured: dict[str, list[Run]]) -> list[str]:
     return [note, table(["CPU-ms per part", *names], rows)]
 
 
-# The two part sizes of the CPU line: 2 JPEGs of this side each (256 and 1024 tokens).
-SIDES = {"small": 448, "large": SIDE}
 LINE_PATHS = ("sglang parts (/encode, pushed)", "vLLM requests (/v1/encode, files)")
 
 
 def cpu_line(client: Http, prefix: str, sink: Sink, window: float, repeats: int) -> Section:
     """The ingress's CPU per sglang part and per vLLM request through small and large parts,
     every image cached, the four cells alternated."""
-    parts = {size: part_images(side) for size, side in SIDES.items()}
-    for images in parts.values():
-        warm_up(client, prefix, sink, images)
+    parts = warmed_parts(client, prefix, sink)
     setups = {}
     for size, images in parts.items():
         setups[(LINE_PATHS[0], size)] = lambda images=images: with_cpu(
@@ -277,36 +220,8 @@ def cpu_line(client: Http, prefix: str, sink: Sink, window: float, repeats: int)
     return Section(
         "Hand-off: ingress CPU per part, small and large",
         "python -m benchmarks.bench_handoff --only cpu",
-        [note, line_table(measured)],
+        [note, line_table(measured, LINE_PATHS, "part", 1)],
     )
-
-
-def line_table(measured: dict[tuple[str, str], list[Run]]) -> str:
-    """Per path and process: MB per part of each size, CPU-ms per part of each size, and
-    the line through them (each repeat's two cells): at 0 MB, and per MB."""
-    rows = []
-    for path in LINE_PATHS:
-        small, large = measured[(path, "small")], measured[(path, "large")]
-        mb = [[r.mb_per_s / r.per_s for r in runs] for runs in (small, large)]
-        for label in (cpu.INGRESS, None):
-            ms = [[r.cpu_ms(label) for r in runs] for runs in (small, large)]
-            fits = [
-                line_through([mb_s, mb_l], [ms_s, ms_l])
-                for mb_s, mb_l, ms_s, ms_l in zip(*mb, *ms, strict=True)
-            ]
-            rows.append(
-                [
-                    path,
-                    label or "all of ours",
-                    *(spread(m).fmt(1) for m in mb),
-                    *(spread(m).fmt(1) for m in ms),
-                    spread([at_zero for at_zero, _ in fits]).fmt(1),
-                    f"**{spread([per_mb for _, per_mb in fits]).fmt(2)}**",
-                ]
-            )
-    header = ["path", "CPU of", "MB per part: small", "large", "CPU-ms per part: small"]
-    header += ["large", "fitted: CPU-ms per part", "+ CPU-ms per MB"]
-    return table(header, rows)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,8 @@ Paths (a closed loop of ``clients`` threads each, bodies built before the clock)
 - sglang hand-off parts, ``POST /encode``, whose frames the server pushes to a ZMQ
   PULL socket here (``Sink``, ``handoff``);
 - vLLM encoder-cache files, ``/v1/encode`` with output kind ``vllm_ec``, written
-  under the server's ``ec_root`` (``vllm_files``).
+  under the server's ``ec_root`` (``vllm_files``); any ``/v1/encode`` output, closed
+  loop or at a set rate (``delivered``).
 
 References, each doing only what the path must do:
 
@@ -17,7 +18,8 @@ References, each doing only what the path must do:
 - ``plain_zmq``: PUSH/PULL on loopback, no server.
 
 ``deploy_handoff`` runs the app the hand-off benchmarks share: the tiny tower at
-Kimi-K3's width, bfloat16, dp 2, every image cached after a warm-up.
+Kimi-K3's width, bfloat16, dp 2, every image cached after a warm-up; ``handoff_app``
+runs it on a cluster of its own beside a ``Sink``.
 """
 
 from __future__ import annotations
@@ -25,20 +27,22 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures as cf
+import contextlib
 import http.server
 import json
 import multiprocessing as mp
 import struct
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import zmq
 
 from .inputs import jpeg
-from .serving import Http, app_args, bind, free_port
+from .serving import Cluster, Http, app_args, bind, free_port, wide_checkpoint
 
 # The hand-off app's requests: 2 JPEGs of 896 x 896 px (1024 tokens each) per part or
 # request, 4 distinct parts sent round robin, 4 clients.
@@ -54,8 +58,11 @@ def part_images(side: int = SIDE, parts: int = PARTS) -> list[list[bytes]]:
     return [[jpeg(side, seed=100 * p + i) for i in range(IMAGES_PER_PART)] for p in range(parts)]
 
 
-def deploy_handoff(checkpoint: Path, ec_root: str | None = None, name: str = HANDOFF_APP) -> str:
-    """The hand-off app on the running Serve instance; its route prefix."""
+def deploy_handoff(
+    checkpoint: Path, ec_root: str | None = None, name: str = HANDOFF_APP, **fields
+) -> str:
+    """The hand-off app on the running Serve instance, with ``fields`` (more ``app_args``);
+    its route prefix."""
     from ray import serve
 
     args = app_args(
@@ -70,6 +77,7 @@ def deploy_handoff(checkpoint: Path, ec_root: str | None = None, name: str = HAN
         handoff_wait_s=60,
         feature_cache_bytes=1 << 30,  # every image of every part stays cached
         **({"ec_root": ec_root} if ec_root else {}),
+        **fields,
     )
     serve.run(bind(args), name=name, route_prefix=f"/{name}")
     return f"/{name}"
@@ -117,6 +125,24 @@ class Sink:
         self.sock.close(linger=0)
 
 
+@contextlib.contextmanager
+def handoff_app(ec_root: str, **fields) -> Iterator[tuple[Http, str, Sink, zmq.Context]]:
+    """A one-machine cluster running ``deploy_handoff``'s app on a checkpoint written here
+    (files under ``ec_root``, with ``fields``): (client, the app's prefix, a ZMQ sink here,
+    its context)."""
+    context = zmq.Context()
+    sink = Sink(context)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            checkpoint = wide_checkpoint(Path(tmp) / "wide", k3_preprocess=True)
+            with Cluster(logical_cpus=4) as cluster:
+                prefix = deploy_handoff(checkpoint, ec_root, **fields)
+                yield cluster.client, prefix, sink, context
+    finally:
+        sink.close()
+        context.term()
+
+
 def run_for(send: Callable, jobs: list, clients: int, seconds: float) -> int:
     """Calls ``send(job)`` back to back from ``clients`` threads for ``seconds``; how many."""
     stop = time.perf_counter() + seconds
@@ -134,6 +160,23 @@ def run_for(send: Callable, jobs: list, clients: int, seconds: float) -> int:
     with cf.ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     return done[0]
+
+
+def paced(send: Callable, jobs: list, clients: int, rate: float, seconds: float) -> int:
+    """Calls ``send(job)`` at ``rate`` a second from ``clients`` threads for ``seconds``;
+    how many."""
+    start, total = time.perf_counter(), int(rate * seconds)
+
+    def client(k: int) -> int:
+        sent = 0
+        for i in range(k, total, clients):
+            time.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            send(jobs[i % len(jobs)])
+            sent += 1
+        return sent
+
+    with cf.ThreadPoolExecutor(clients) as pool:
+        return sum(pool.map(client, range(clients)))
 
 
 def part_body(index: int, images: list[bytes], port: int) -> dict:
@@ -221,19 +264,37 @@ def vllm_files(
         uuids = [f"bench-{p}-{i}" for i in range(len(images))]
         output = {"kind": "vllm_ec", "uuids": uuids}
         bodies.append(json.dumps({"items": items(images), "output": output}).encode())
-    written = [0]
+    return delivered(client, prefix, bodies, seconds, clients)
+
+
+def delivered(
+    client: Http,
+    prefix: str,
+    bodies: list[bytes],
+    seconds: float,
+    clients: int = CLIENTS,
+    rate: float | None = None,
+) -> tuple[float, float, int]:
+    """(MB/s, requests/s, requests) of the feature bytes that ``/v1/encode`` requests with
+    an ``output`` had written or acknowledged (each answer's items' ``bytes``): closed loop
+    of ``clients`` senders, or with ``rate`` that many requests a second, spread over them
+    (each waits for its slot: a path that keeps up runs at exactly ``rate``)."""
+    done = [0]
     lock = threading.Lock()
 
     def send(body: bytes) -> None:
         answer, _ = client.post(f"{prefix}/v1/encode", body, "application/json")
         nbytes = sum(entry["bytes"] for entry in json.loads(answer)["items"])
         with lock:
-            written[0] += nbytes
+            done[0] += nbytes
 
     start = time.perf_counter()
-    sent = run_for(send, bodies, clients, seconds)
+    if rate is None:
+        sent = run_for(send, bodies, clients, seconds)
+    else:
+        sent = paced(send, bodies, clients, rate, seconds)
     elapsed = time.perf_counter() - start
-    return written[0] / elapsed / 1e6, sent / elapsed, sent
+    return done[0] / elapsed / 1e6, sent / elapsed, sent
 
 
 def warm_up(client: Http, prefix: str, sink: Sink, parts: list[list[bytes]]) -> None:

@@ -22,6 +22,7 @@ from benchmarks import (
     common,
     compare,
     cpu,
+    cpu_line,
     feature_bytes,
     inputs,
     page,
@@ -539,7 +540,7 @@ def test_handoff_cpu_is_grouped_by_process_and_counted_per_part():
         machine_busy_s=3.8,
         steal_s=0.0,
     )
-    run = bench_handoff.Run(mb_per_s=100.0, per_s=5.0, count=10, usage=usage)
+    run = cpu_line.Run(mb_per_s=100.0, per_s=5.0, count=10, usage=usage)
     assert run.cpu_ms(cpu.INGRESS) == pytest.approx(50.0)
     assert run.cpu_ms("rank 0") == pytest.approx(20.0)
     assert run.cpu_ms("rank 1") == pytest.approx(30.0)
@@ -645,7 +646,7 @@ def test_handoff_cpu_line_goes_through_each_repeats_small_and_large_part():
     11 and 20 CPU-ms on them: 8 CPU-ms per part plus 0.40 per MB. vLLM requests spend
     the same at both sizes: 0.00 per MB."""
 
-    def run(mb: float, ingress_ms: float, rank_ms: float) -> bench_handoff.Run:
+    def run(mb: float, ingress_ms: float, rank_ms: float) -> cpu_line.Run:
         usage = cpu.Usage(
             wall_s=1.0,
             by_role={
@@ -655,7 +656,7 @@ def test_handoff_cpu_line_goes_through_each_repeats_small_and_large_part():
             machine_busy_s=1.0,
             steal_s=0.0,
         )
-        return bench_handoff.Run(mb_per_s=mb * 10, per_s=10.0, count=10, usage=usage)
+        return cpu_line.Run(mb_per_s=mb * 10, per_s=10.0, count=10, usage=usage)
 
     sglang, vllm = bench_handoff.LINE_PATHS
     measured = {
@@ -664,13 +665,17 @@ def test_handoff_cpu_line_goes_through_each_repeats_small_and_large_part():
         (vllm, "small"): [run(7.5, 12.5, 1.0)] * 2,
         (vllm, "large"): [run(30.0, 12.5, 1.0)] * 2,
     }
-    text = bench_handoff.line_table(measured)
+    text = cpu_line.line_table(measured, bench_handoff.LINE_PATHS, "part", 1)
     cells = "7.5 (7.5–7.5) | 30.0 (30.0–30.0)"
     assert f"| {sglang} | ingress | {cells} | 11.0 (11.0–11.0) | 20.0 (20.0–20.0) " in text
     assert "| 8.0 (8.0–8.0) | **0.40 (0.40–0.40)** |" in text
     assert f"| {sglang} | all of ours | {cells} | 12.0 (12.0–12.0) | 21.0 (21.0–21.0) " in text
     assert f"| {vllm} | ingress | {cells} | 12.5 (12.5–12.5) | 12.5 (12.5–12.5) " in text
     assert "| 12.5 (12.5–12.5) | **0.00 (0.00–0.00)** |" in text
+    # bench_push's table: per request, one more decimal.
+    text = cpu_line.line_table(measured, bench_handoff.LINE_PATHS, "request", 2)
+    assert "| MB per request: small | large | CPU-ms per request: small |" in text
+    assert "| 8.00 (8.00–8.00) | **0.400 (0.400–0.400)** |" in text
 
 
 def test_a_decode_window_counts_the_forward_wait_of_its_own_batches():
