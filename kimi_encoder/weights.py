@@ -250,8 +250,6 @@ def write_checkpoint(
     }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     media = preprocess.to_media_proc_cfg()
-    (out / PREPROCESSOR_FILE).write_text(
-        json.dumps({"media_proc_cfg": media}, indent=2) + "\n"
-    )
+    (out / PREPROCESSOR_FILE).write_text(json.dumps({"media_proc_cfg": media}, indent=2) + "\n")
     save_file(tensors, str(out / SINGLE_FILE), metadata={"format": "pt", "seed": str(seed)})
     return out
