@@ -124,17 +124,22 @@ def reference_features(model, pixels: torch.Tensor, grids: torch.Tensor) -> list
 
 
 def load_image_processor(preprocess: PreprocessConfig):
-    """transformers' ``Kimi_K25ImageProcessor`` set to our ``media_proc_cfg``, or a skip reason.
+    """transformers' ``Kimi_K25ImageProcessor`` set to our ``media_proc_cfg``.
 
-    The processor is a torchvision backend; without an importable torchvision
-    it cannot run and the caller skips. (PyPI's torchvision wheels are CUDA
-    builds whose C++ ops fail to load next to torch's ``+cpu`` build, so
-    importing one here raises RuntimeError, not ImportError.)
+    The processor is a torchvision backend. PyPI's torchvision wheels are built
+    against PyPI's torch, and their C++ ops fail to load next to torch's ``+cpu``
+    build (RuntimeError, not ImportError): the tests that need it are marked
+    ``torchvision`` and run in ``.venv-k25``, where the two are pinned as a pair.
     """
     try:
         from transformers.models.kimi_k25.image_processing_kimi_k25 import Kimi_K25ImageProcessor
-    except (ImportError, RuntimeError) as exc:  # no torchvision, or one built for CUDA torch
-        return None, f"Kimi_K25ImageProcessor needs torchvision ({type(exc).__name__}: {exc})"
+    except (ImportError, RuntimeError) as exc:  # no torchvision, or one built for another torch
+        raise RuntimeError(
+            f"Kimi_K25ImageProcessor needs a torchvision that loads beside torch "
+            f"{torch.__version__} ({type(exc).__name__}: {exc}); the tests marked "
+            "`torchvision` run in .venv-k25 (`make k25-env`, then `.venv-k25/bin/python "
+            "-m pytest -m torchvision tests/kimi_encoder/test_parity_k25.py`)"
+        ) from exc
     side = preprocess.patch_limit_on_one_side
     processor = Kimi_K25ImageProcessor(
         max_patches=preprocess.in_patch_limit,
@@ -144,4 +149,4 @@ def load_image_processor(preprocess: PreprocessConfig):
         image_mean=list(preprocess.image_mean),
         image_std=list(preprocess.image_std),
     )
-    return processor, None
+    return processor

@@ -26,7 +26,10 @@ side resizes (and no alpha is composited) they must agree to 1e-6; elsewhere
 the processors differ by design (transformers converts to RGB first and resizes
 with torchvision's antialiased bicubic, ours resizes with PIL in the image's own
 mode), so the difference is only recorded (``record_property`` and stdout).
-The processor needs torchvision; without an importable one those tests skip.
+The processor needs torchvision, which does not load beside the main environment's CPU
+build of torch: those cases are marked ``torchvision`` and ``make test`` runs them in an
+environment of their own (``.venv-k25``, ``make k25-env``: torch and torchvision pinned
+as a pair); the other passes deselect them.
 
 The preprocessing uses a white transparent background, which is what
 transformers' ``convert_to_rgb`` composites on, so that alpha images measure
@@ -148,10 +151,7 @@ def encoder(checkpoint):
 
 @pytest.fixture(scope="module")
 def processor():
-    proc, reason = ref.load_image_processor(PREPROCESS)
-    if proc is None:
-        pytest.skip(reason)
-    return proc
+    return ref.load_image_processor(PREPROCESS)
 
 
 def _ours(encoder: VisionEncoder, data: bytes):
@@ -198,6 +198,7 @@ def test_batched_features_match_transformers(encoder, reference):
     assert max(diffs.values()) <= FEATURE_TOL, diffs
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_grid_and_pixels_match_transformers_processor(
     case: Case, encoder, processor, record_property
