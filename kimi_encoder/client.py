@@ -4,11 +4,12 @@ Pure standard library plus numpy and safetensors (no ray, no requests): the
 client runs wherever Python does. ``EncoderClient.encode`` sends one request
 and retries what a server under load or restart answers (408, 429, 5xx,
 connection errors) with exponential backoff, honouring ``Retry-After``.
+Against a running server (``make serve``; an example, not a doctest)::
 
->>> client = EncoderClient("http://127.0.0.1:8000")          # doctest: +SKIP
->>> [out] = client.encode([open("cat.png", "rb").read()])     # doctest: +SKIP
->>> out.features.shape, out.grid_thw, out.owner_rank          # doctest: +SKIP
-((12, 7168), (1, 6, 8), 0)
+    client = EncoderClient("http://127.0.0.1:8000")
+    [out] = client.encode([open("cat.png", "rb").read()])
+    out.features.shape, out.grid_thw, out.owner_rank
+    # ((12, 7168), (1, 6, 8), 0)
 """
 
 from __future__ import annotations
