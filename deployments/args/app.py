@@ -104,8 +104,9 @@ class AppArgs(Section):
         description="GLIBC_TUNABLES of the app's replica processes (ingress, ranks, hand-off "
         "registry): the default keeps glibc's malloc from mapping and unmapping a fresh "
         "block for each multi-MB answer body (no per-block mmap, freed memory kept up to "
-        "256 MB per heap), so each body reuses pages already faulted in; '' leaves the "
-        "cluster's environment as it is.",
+        "256 MB per heap), so each body reuses pages already faulted in, and at most two "
+        "malloc arenas, so that memory stays flat under images of many shapes; '' leaves "
+        "the cluster's environment as it is.",
     )
     malloc_trim_s: float = Field(
         5.0,

@@ -15,8 +15,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # when freed; kept in the heap, the next body reuses pages already mapped. It moved more
 # answer bytes per second than glibc's defaults and than huge-page malloc (docs/api.md,
 # "Measurements behind the code"). The price: up to trim_threshold of freed memory stays
-# resident per heap.
-GLIBC_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456"
+# resident per heap. And at most two malloc arenas (arena_max=2) however many threads
+# allocate: with glibc's default (8 per core) each of a replica's dozens of threads
+# (Ray's, Serve's, decode, forward) scatters its long-lived blocks over its own heaps,
+# whose free space between them is never given back; with two, a 60-minute soak's
+# processes stayed within max(16 MiB, 5%) of their size after warm-up at the same
+# throughput (docs/benchmarks.md, "Soak").
+GLIBC_TUNABLES = (
+    "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=268435456:glibc.malloc.arena_max=2"
+)
 # The replicas' environment variable of ``malloc_trim_s`` (deployments/heap.py).
 TRIM_ENV = "KIMI_ENCODER_MALLOC_TRIM_S"
 TUNABLE = re.compile(r"glibc\.[a-z_]+\.[a-z_]+=[^:=\s]+")
