@@ -160,12 +160,21 @@ def check(answers: list[tuple[list, np.ndarray]], expected: list[Expected], tall
 
 
 def client(
-    url: str, images: list[bytes], expected: list[Expected], deadline: float, seed: int
+    url: str,
+    images: list[bytes],
+    expected: list[Expected],
+    deadline: float,
+    seed: int,
+    at_least: int = 0,
 ) -> Tally:
+    """One closed-loop client until ``deadline``, and on past it until it has sent
+    ``at_least`` requests (a busy machine answers fewer in the window)."""
     rng = random.Random(seed)
     tally = Tally()
     session = requests.Session()
-    while time.monotonic() < deadline:
+    sent = 0
+    while time.monotonic() < deadline or sent < at_least:
+        sent += 1
         picks = [rng.randrange(len(images)) for _ in range(rng.randint(1, MAX_IMAGES))]
         multipart, fmt = rng.random() < 0.3, rng.choice(["json", "json", "safetensors"])
         started = time.perf_counter()
@@ -201,9 +210,15 @@ def client(
 
 
 def run_load(
-    url: str, clients: int, seconds: float, seed: int = 0, checkpoint: str = "tiny"
+    url: str,
+    clients: int,
+    seconds: float,
+    seed: int = 0,
+    checkpoint: str = "tiny",
+    at_least: int = 0,
 ) -> dict:
-    """Run the load and return its figures (see the module docstring)."""
+    """Run the load and return its figures (see the module docstring): for ``seconds``,
+    and on until ``at_least`` requests were sent in all."""
     images = catalog(seed=seed)
     expected = references(images, checkpoint)
     started = time.monotonic()
@@ -211,7 +226,9 @@ def run_load(
     total = Tally()
     with cf.ThreadPoolExecutor(clients) as pool:
         futures = [
-            pool.submit(client, url, images, expected, deadline, seed * 1000 + k)
+            pool.submit(
+                client, url, images, expected, deadline, seed * 1000 + k, -(-at_least // clients)
+            )
             for k in range(clients)
         ]
         for future in futures:
