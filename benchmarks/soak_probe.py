@@ -8,8 +8,8 @@ the app through Ray's ``__ray_call__`` (a function called with the actor instanc
 - ``structures``: the length of every dict, list, deque and set reachable from the
   replica's deployment object through our own classes (``deployments.*``,
   ``kimi_encoder.*``), by attribute path, and the bytes of every byte-bounded cache;
-- ``mappings``: private anonymous memory by kind of mapping (glibc's heaps, Python's
-  arenas, thread stacks) and the number of pymalloc arenas and threads;
+- ``mappings``: private anonymous memory in glibc's main heap, in the other anonymous
+  mappings and in private file pages, and the number of pymalloc arenas and threads;
 - ``allocator``: glibc's ``mallinfo2`` (bytes in use, free in the heaps, in mmapped
   blocks, the main heap's size) and the number of malloc arenas (``malloc_info``);
   ``trim`` calls ``malloc_trim(0)`` and says what it gave back.

@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from kimi_encoder.cache import FeatureCache, item_key
+from kimi_encoder.cache import MAX_ENTRIES, FeatureCache, item_key
 from kimi_encoder.cost import CostModel, calibrate
 from kimi_encoder.decode_procs import DecodeProcesses
 from kimi_encoder.encoder import VisionEncoder
@@ -90,7 +90,7 @@ class RankBatcher:
         num_threads: int,
         *,
         cache_bytes: int = 0,
-        cache_entries: int = 1024,
+        cache_entries: int = MAX_ENTRIES,
         calibration_grids: Sequence[int] = (),
         keep: Callable[[torch.Tensor], Any] | None = None,
     ):

@@ -51,7 +51,7 @@ from ray.serve.exceptions import (
 )
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from kimi_encoder.cache import FeatureCache
+from kimi_encoder.cache import MAX_ENTRIES, FeatureCache
 from kimi_encoder.engines.sglang import ReceiveUrlRequest
 
 from .ranks.calls import EncodeCall, RankUnavailableError
@@ -225,7 +225,7 @@ class IngressCache:
     change, so they stay right to answer with (the store's bound counts them:
     ``rank.check_cache_fits``)."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 1024):
+    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES):
         self.entries = FeatureCache(max_bytes, max_entries)
 
     def lookup(self, keys: Sequence[str]) -> dict[int, tuple[np.ndarray, int]]:

@@ -57,6 +57,9 @@ def item_key(item: EncoderItem, model: str, model_dtype: str, feature_dtype: str
 
 Features = torch.Tensor | np.ndarray
 
+# Most entries a feature cache keeps by default (FeatureCache's doc says why).
+MAX_ENTRIES = 1024
+
 
 @dataclass
 class CacheStats:
@@ -79,7 +82,7 @@ class FeatureCache:
     features (a small model, thumbnails) reach the entry bound long before the byte bound
     (docs/benchmarks.md, Soak)."""
 
-    def __init__(self, max_bytes: int, max_entries: int = 1024):
+    def __init__(self, max_bytes: int, max_entries: int = MAX_ENTRIES):
         if max_bytes < 0:
             raise ValueError(f"cache max_bytes must be >= 0, got {max_bytes}.")
         if max_entries < 1:

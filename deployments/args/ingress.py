@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import ConfigDict, Field, field_validator
 
+from kimi_encoder.cache import MAX_ENTRIES
+
 from .base import ActorOptions, Section, ServeOptions, part
 
 
@@ -98,7 +100,7 @@ class IngressArgs(Section):
         "ranks.cache_bytes + replicas x this; needs ranks.cache_bytes > 0. 0 disables it.",
     )
     cache_entries: int = Field(
-        1024,
+        MAX_ENTRIES,
         ge=1,
         description="Most images this cache keeps, whatever their bytes: each entry's key and "
         "mapped array live on the ingress's heap (ranks.cache_entries says why).",

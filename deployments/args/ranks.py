@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from kimi_encoder.cache import MAX_ENTRIES
 from kimi_encoder.execution import DEFAULT_BATCH_PATCHES
 
 from .base import ActorOptions, Section, ServeOptions, part
@@ -62,7 +63,7 @@ class RankArgs(Section):
         "disables it and cache affinity).",
     )
     cache_entries: int = Field(
-        1024,
+        MAX_ENTRIES,
         ge=1,
         description="Most images the rank's feature cache keeps, whatever their bytes: each "
         "entry's key, record and object-store reference (about 2 KiB) live on the rank's "
