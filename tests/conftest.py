@@ -2,7 +2,8 @@
 cluster the serve and chaos tests run apps on (CPU, real HTTP on free ports, no mocks):
 one Ray cluster and one Serve instance per session, started on first use; a module's
 shared apps (a dp size) are deployed on first use under their own name and route prefix
-and deleted when the module ends, so idle replicas do not pile up over the session."""
+and deleted when the module ends, so idle replicas do not pile up over the session; the
+plain dp-2 app, which many modules use, stays for the session."""
 
 from __future__ import annotations
 
@@ -166,22 +167,28 @@ def serve_url() -> Iterator[str]:
         ray.shutdown()
 
 
-# name -> base URL of the `deploy` apps now running; emptied at the end of every module.
+# name -> base URL of the `deploy` apps now running.
 _APPS: dict[str, str] = {}
+
+# The plain dp-2 app (`deploy(2)`, no overrides) is shared by half a dozen modules: kept for
+# the session by the worker that started it, so each of them does not start it again.
+SHARED_APPS = frozenset({"dp2"})
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _delete_apps_after_module() -> Iterator[None]:
-    """Delete the module's `deploy` apps when it ends. Every idle replica costs a few
-    percent of a core (Serve's health checks, metrics and load polls); kept for the whole
-    session, dozens of them starved the later tests on a two-core machine."""
+    """Delete the module's `deploy` apps when it ends, but the shared one. Every idle
+    replica costs a few percent of a core (Serve's health checks, metrics and load polls);
+    kept for the whole session, dozens of them starved the later tests on a two-core
+    machine."""
     yield
-    if _APPS:
+    ended = [name for name in _APPS if name not in SHARED_APPS]
+    if ended:
         from ray import serve
 
-        for name in list(_APPS):
+        for name in ended:
             serve.delete(name)
-        _APPS.clear()
+            del _APPS[name]
 
 
 @pytest.fixture(scope="session")
