@@ -36,9 +36,16 @@ FOLDER_MARKERS = {"serve": "serve", "chaos": "chaos"}
 
 # The modules that measure under a load they make themselves (faults under load, the
 # device script's served windows on CPU, elastic ranks that must start within a bound
-# while the load runs) run by themselves, after the parallel pass: a second worker's
-# cluster on the same two cores would be part of what they measure.
-ALONE = ("chaos", "serve/test_gpu_served.py", "serve/test_elastic.py")
+# while the load runs, a rank saturated on purpose that must not be taken for a failed
+# one, memory read after a soak's warm-up) run by themselves, after the parallel pass: a
+# second worker's cluster on the same two cores would be part of what they measure.
+ALONE = (
+    "chaos",
+    "serve/test_gpu_served.py",
+    "serve/test_elastic.py",
+    "serve/test_load_not_failure.py",
+    "serve/test_soak.py",
+)
 
 # A test that runs a device script end to end on CPU (its fixtures run
 # benchmarks/gpu_check.py or gpu_served.py as CI does) takes a minute or more, mostly
