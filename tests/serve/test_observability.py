@@ -207,15 +207,25 @@ def ours_in_prometheus(prometheus: str) -> dict[tuple[str, frozenset], float]:
     return found
 
 
-def exported(metrics_url: str, requests_count: float, forward_calls: float) -> list:
+def exported(
+    metrics_url: str, requests_count: float, forward_calls: float, ranks: dict | None = None
+) -> list:
     """The endpoint's samples once they count ``requests_count`` requests and
-    ``forward_calls`` rank calls (the metrics agent exports every few seconds)."""
+    ``forward_calls`` rank calls, and, given ``ranks`` (kind -> rank -> count), each rank's
+    images, patches and tokens: the metrics agent exports every few seconds, and one
+    export can carry a rank's stage counts before its counters of the same call."""
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         samples = scrape(metrics_url)
+        counted = all(
+            total(samples, f"ray_{PREFIX}{kind}_total", rank=rank) == count
+            for kind, by_rank in (ranks or {}).items()
+            for rank, count in by_rank.items()
+        )
         if (
             total(samples, REQUESTS) == requests_count
             and total(samples, STAGE_COUNT, stage="forward") == forward_calls
+            and counted
         ):
             return samples
         if time.monotonic() > deadline:
@@ -306,7 +316,8 @@ def test_metrics_count_the_traffic(app, images, dashboard):
     assert set(want["images"]) == {"0", "1"}, "the traffic must reach both ranks"
 
     started = time.monotonic()
-    samples = exported(app["metrics_url"], requests_count, sum(want["calls"].values()))
+    counters = {kind: want[kind] for kind in ("images", "patches", "tokens")}
+    samples = exported(app["metrics_url"], requests_count, sum(want["calls"].values()), counters)
     print(f"\nmetrics visible {time.monotonic() - started:.1f} s after the traffic")
 
     names = {n for n, _, _ in samples}
