@@ -217,22 +217,24 @@ def exported(
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         samples = scrape(metrics_url)
-        counted = all(
-            total(samples, f"ray_{PREFIX}{kind}_total", rank=rank) == count
+        short = {
+            (kind, rank): (total(samples, f"ray_{PREFIX}{kind}_total", rank=rank), count)
             for kind, by_rank in (ranks or {}).items()
             for rank, count in by_rank.items()
-        )
+        }
+        short = {key: (have, want) for key, (have, want) in short.items() if have != want}
         if (
             total(samples, REQUESTS) == requests_count
             and total(samples, STAGE_COUNT, stage="forward") == forward_calls
-            and counted
+            and not short
         ):
             return samples
         if time.monotonic() > deadline:
             pytest.fail(
                 f"metrics not exported after {METRICS_TIMEOUT_S} s: want {requests_count} "
                 f"requests and {forward_calls} forward calls, have {total(samples, REQUESTS)} "
-                f"and {total(samples, STAGE_COUNT, stage='forward')}"
+                f"and {total(samples, STAGE_COUNT, stage='forward')}; rank counters "
+                f"(have, want) not there yet: {short}"
             )
         time.sleep(1)
 
