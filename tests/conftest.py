@@ -204,15 +204,22 @@ def deploy(serve_url: str) -> Callable[..., str]:
 
     ``deploy(dp_size, name, **overrides)``: an app of its own with other AppArgs
     (an API key file, a short timeout, ...), shared under ``name`` by the module's tests.
+
+    ``only=True``: the module's other apps (the session's shared one aside) are deleted
+    first, for a module whose tests use its apps one after the other: each idle replica
+    left running slows every test after it.
     """
     from ray import serve
     from serve_helpers import REFERENCE_PATH, app_args
 
     from deployments.app import bind_app
 
-    def _deploy(dp_size: int, name: str | None = None, **overrides) -> str:
+    def _deploy(dp_size: int, name: str | None = None, *, only: bool = False, **overrides) -> str:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
+        for other in [n for n in _APPS if only and n != name and n not in SHARED_APPS]:
+            serve.delete(other)
+            del _APPS[other]
         if name not in _APPS:
             args = app_args(REFERENCE_PATH, dp_size=dp_size, **overrides)
             serve.run(bind_app(args), name=name, route_prefix=f"/{name}")

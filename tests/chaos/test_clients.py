@@ -35,8 +35,10 @@ BODY_GRACE_S = BodyPace().grace_s  # the chaos apps keep it
 DEFAULT_LIMITS = {"ingress": {"limits": RequestLimits().model_dump()}}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def apps(serve_url):
+    """``apps(name, *layers)``: a dp-2 app of the test's own, deleted when the test ends, so
+    that no idle app of an earlier test shares the machine with the next one's load."""
     created = []
 
     def run(name: str, *layers: dict) -> str:

@@ -32,7 +32,10 @@ from chaos.load import Load, summary, wait_rejoined
 from deployments.app import bind_app
 
 APP = "chaos_ranks"
-RUN_S = 30  # load around each fault
+# Load around each fault, a third of it before: long enough for the requests on a killed
+# or stopped rank to be re-dispatched (each within PROMPT_S) and for a killed rank's
+# replacement to take work (about 9 s on a quiet machine; the test waits for it anyway).
+RUN_S = 15
 # A replaced or resumed rank takes work again within this. Quiet machine: 8.7-9.3 s
 # since ranks start without torch._dynamo (14-22 s before, docs/api.md). With one core
 # kept busy and 8 clients retrying 503s at once, both ranks' replacements starting
@@ -50,7 +53,7 @@ def url(serve_url):
         ingress={"replicas": 2},
         ranks={
             "cache_bytes": 0,
-            # Health checks slower than the 30 s hang: the resumed rank rejoins, not replaced.
+            # Health checks slower than the hang (RUN_S): the resumed rank rejoins, not replaced.
             "serve_options": {"health_check_period_s": 2, "health_check_timeout_s": 60},
         },
         dispatch={"cooldown_s": 1.0},

@@ -21,7 +21,7 @@ def expected(images, reference) -> dict[int, list[torch.Tensor]]:
 @pytest.mark.parametrize("num_images", COUNTS, ids=lambda n: f"{n}img")
 @pytest.mark.parametrize("dp_size", [1, 2, 3], ids=lambda d: f"dp{d}")
 def test_features_match_in_process_encoder(deploy, images, expected, dp_size, num_images):
-    url = deploy(dp_size)
+    url = deploy(dp_size, only=True)  # each app's tests run one after the other
     response = encode(url, [{"type": "image", "image": b64(b)} for b in images[:num_images]])
     assert response.status_code == 200, response.text
     body = response.json()
@@ -52,7 +52,7 @@ def test_features_match_in_process_encoder(deploy, images, expected, dp_size, nu
 
 
 def test_only_owning_ranks_are_called(deploy, images):
-    url = deploy(4)
+    url = deploy(4, only=True)
     before = rank_calls(url)
     response = encode(url, [{"type": "image", "image": b64(images[0])}])
     assert response.status_code == 200, response.text
@@ -73,6 +73,7 @@ def test_decode_processes_answer_the_in_process_features(deploy, images, expecte
     url = deploy(
         1,
         f"procs-{backend}",
+        only=True,
         model={"preprocess_backend": backend},
         ranks={"batching": {"decode": "processes", "decode_threads": 2}},
     )
