@@ -1,10 +1,11 @@
 """Elastic vision DP over real HTTP: ``dp_size: {min: 1, max: 3}``.
 
-- One ingress replica, no other setting changed (the test apps' CPU ranks and limits):
-  idle, one rank process runs. A ramp to 16 closed-loop clients, each request four
-  distinct 448x448 JPEGs (all cache misses: the work queues on the ranks), has 3 ranks
-  live within 60 s; once the load stops, 1 again within 120 s, the other two ranks'
-  replicas released (no process left).
+- One ingress replica and the default scaling (the test apps' CPU ranks and limits), its
+  way back down shortened (``downscale_after_s`` and ``park_after_s`` as below: windows
+  the test waits out, not what it measures): idle, one rank process runs. A ramp to 16
+  closed-loop clients, each request four distinct 448x448 JPEGs (all cache misses: the
+  work queues on the ranks), has 3 ranks live within 60 s; once the load stops, 1 again
+  within 120 s, the other two ranks' replicas released (no process left).
 - Two and three ingress replicas, both caches off, one decision for all of them (the
   app's scaler): a load that comes and goes (three cycles of 12 clients, then idle for
   less than downscale_after_s), a rank killed while it starts, then no request at all.
@@ -44,6 +45,8 @@ AFTER_UP_S = 5.0  # load kept on the three ranks before it stops
 SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 6.0, "park_after_s": 2.0}
 CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 6.0, 4.0, 12
 AGREE = 3  # answers in a row from every ingress replica that must agree
+# The ramp's way back down: the default's upscale, the windows above for the rest.
+RAMP_SCALING = {"downscale_after_s": SCALING["downscale_after_s"], "park_after_s": 2.0}
 
 
 def info(url: str) -> dict:
@@ -51,7 +54,7 @@ def info(url: str) -> dict:
 
 
 def test_ranks_follow_a_ramp_of_clients_up_and_back_down(serve_url, reference):
-    args = app_args(dp_size={"min": 1, "max": 3})
+    args = app_args(dp_size={"min": 1, "max": 3}, scaling=RAMP_SCALING)
     with served(serve_url, APP, args) as url:
         idle = info(url)
         assert idle["ranks_live"] == [0]
