@@ -115,7 +115,7 @@ def test_handoff_routes_need_the_key_outside_the_engine_networks(strict, path):
     assert response.json()["error"]["type"] == "unauthorized", response.text
     assert "handoff.engine_callers.networks" in response.json()["error"]["message"]
     # The refusal left the app serving: /health with the key is 200 once a rank answers its
-    # load report within 1 s (a starved machine's one late report is a 503 with Retry-After).
+    # load report within 1 s (on a starved machine a late report is a 503, "unavailable").
     ok = wait_for(lambda: healthy_now(strict), 30, "the strict app's /health after a refusal")
     assert ok.json() == {"status": "ok"}
 
