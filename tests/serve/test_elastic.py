@@ -45,8 +45,8 @@ AFTER_UP_S = 5.0  # load kept on the three ranks before it stops
 SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 6.0, "park_after_s": 2.0}
 CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 6.0, 4.0, 12
 AGREE = 3  # answers in a row from every ingress replica that must agree
-# The ramp's way back down: the default's upscale, the windows above for the rest.
-RAMP_SCALING = {"downscale_after_s": SCALING["downscale_after_s"], "park_after_s": 2.0}
+# The ramp's scaling: the default upscale, the way back down on the windows above.
+RAMP_SCALING = {key: SCALING[key] for key in ("downscale_after_s", "park_after_s")}
 
 
 def info(url: str) -> dict:

@@ -11,8 +11,8 @@ input a 4xx. With deliberately unbounded structures it fails: over 3 minutes (ev
 request's body kept by the ingress, every answer by the rank's batcher) ingress +124 and
 +97 MiB, ranks +45 and +26 MiB against 16; over the 2 minutes it now runs (every admitted
 request kept by the ingress, every call by the rank) ingress +53 and +67, ranks +74 and
-+42. Without them the most seen was +10.7 over 3 minutes, +5.3 over 2 (beside a second
-soak).
++42. Without them the most seen was +10.7 over 3 minutes; over 2, +5.3 beside a second
+soak and +8.9 with one core kept busy.
 """
 
 from __future__ import annotations
