@@ -189,7 +189,12 @@ def _delete_apps_after_module() -> Iterator[None]:
     kept for the whole session, dozens of them starved the later tests on a two-core
     machine."""
     yield
-    ended = [name for name in _APPS if name not in SHARED_APPS]
+    _delete_apps()
+
+
+def _delete_apps(but: str | None = None) -> None:
+    """Delete the `deploy` apps now running, but the shared ones and ``but``."""
+    ended = [name for name in _APPS if name not in SHARED_APPS and name != but]
     if ended:
         from ray import serve
 
@@ -217,9 +222,8 @@ def deploy(serve_url: str) -> Callable[..., str]:
     def _deploy(dp_size: int, name: str | None = None, *, only: bool = False, **overrides) -> str:
         assert name is not None or not overrides, "an app with overrides needs its own name"
         name = name or f"dp{dp_size}"
-        for other in [n for n in _APPS if only and n != name and n not in SHARED_APPS]:
-            serve.delete(other)
-            del _APPS[other]
+        if only:
+            _delete_apps(but=name)
         if name not in _APPS:
             args = app_args(REFERENCE_PATH, dp_size=dp_size, **overrides)
             serve.run(bind_app(args), name=name, route_prefix=f"/{name}")

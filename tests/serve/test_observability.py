@@ -217,12 +217,12 @@ def exported(
     deadline = time.monotonic() + METRICS_TIMEOUT_S
     while True:
         samples = scrape(metrics_url)
-        short = {
-            (kind, rank): (total(samples, f"ray_{PREFIX}{kind}_total", rank=rank), count)
-            for kind, by_rank in (ranks or {}).items()
-            for rank, count in by_rank.items()
-        }
-        short = {key: (have, want) for key, (have, want) in short.items() if have != want}
+        short = {}  # (kind, rank) -> (have, want), for the rank counters not there yet
+        for kind, by_rank in (ranks or {}).items():
+            for rank, want in by_rank.items():
+                have = total(samples, f"ray_{PREFIX}{kind}_total", rank=rank)
+                if have != want:
+                    short[(kind, rank)] = (have, want)
         if (
             total(samples, REQUESTS) == requests_count
             and total(samples, STAGE_COUNT, stage="forward") == forward_calls
