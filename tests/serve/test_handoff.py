@@ -42,10 +42,13 @@ from serve_helpers import sglang_part as part
 from kimi_encoder.items import MSG_IMAGE_ONLY
 
 APP, BF16_APP, CLOSED_APP = "handoff", "handoff_bf16", "handoff_closed"
-# Features compared bit for bit: no cache, owners by patch count (no calibration).
+# Features compared bit for bit: no cache, owners by patch count (no calibration) over
+# exact loads. With the default 50 ms reports, an ingress replica may still count the
+# other replica's finished work on one rank and give it none of a part's images (seen
+# in a loaded parallel pass), so the part's batches differ from /v1/encode's.
 REFERENCE_PATH = {
     "ranks": {"cache_bytes": 0, "calibration_grids": []},
-    "dispatch": {"cost_model": "patches"},
+    "dispatch": {"cost_model": "patches", "load_report_interval_ms": 0},
 }
 # Mixed sizes and modes: RGB, the big one (resized to the tiny preset's budget), RGBA, palette.
 IMAGES = [image_bytes(mode, size, seed, fmt=fmt) for mode, size, seed, fmt in IMAGE_SPECS[:4]]
