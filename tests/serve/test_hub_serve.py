@@ -24,6 +24,11 @@ from kimi_encoder.encoder import VisionEncoder
 
 REPO = "moonshotai/Kimi-K3"
 STARTUP_TIMEOUT_S = 180
+# The served features against the in-process encoder's: other processes and other batches
+# (the ranks split the four images; the second start encodes one), so within
+# tests/serve/test_parity.py's tolerance: bit for bit held in most runs, and once differed
+# by 1.7e-6 in a loaded parallel pass.
+ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +86,7 @@ def test_dp2_fetches_once_per_node_and_a_second_start_asks_nothing(hub, tmp_path
         assert answer.status_code == 200, answer.text
         items = answer.json()["items"]
         for item, w in zip(items, want, strict=True):
-            np.testing.assert_array_equal(decode_features(item), w.numpy())
+            np.testing.assert_allclose(decode_features(item), w.numpy(), rtol=0, atol=ATOL)
         info = requests.get(f"{url}/v1/info", timeout=30).json()
         assert info["model"] == REPO
         weights = [r["weights"] for r in info["ranks"]]  # both ranks loaded the fetched copy
@@ -102,7 +107,8 @@ def test_dp2_fetches_once_per_node_and_a_second_start_asks_nothing(hub, tmp_path
         body = {"items": [{"type": "image", "image": b64(images[0])}]}
         answer = requests.post(f"{url}/v1/encode", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
-        np.testing.assert_array_equal(decode_features(answer.json()["items"][0]), want[0].numpy())
+        got = decode_features(answer.json()["items"][0])
+        np.testing.assert_allclose(got, want[0].numpy(), rtol=0, atol=ATOL)
         weights = [r["weights"] for r in requests.get(f"{url}/v1/info", timeout=30).json()["ranks"]]
     finally:
         interrupt(process)
