@@ -11,7 +11,7 @@ import socket
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
@@ -340,6 +340,39 @@ def interrupt(process: subprocess.Popen, within_s: float = 90) -> int:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
         raise
+
+
+# Ray 2.60 gives a new node's raylet a fixed 30 s to register with its GCS (ray/_private/
+# node.py, no setting). A cluster started in a subprocess beside the test session's two
+# on two cores, one of them kept busy, has missed it: the machine's load, which no test
+# is about, so such a start is made again (with a process of its own each time).
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+RAY_START_TRIES = 3
+
+
+def ray_start_timed_out(log: Path) -> bool:
+    """Whether ``log`` holds Ray's node start-up timeout."""
+    return RAY_START_TIMED_OUT in log.read_text(errors="replace")
+
+
+def launch_healthy(
+    start: Callable[[], tuple[subprocess.Popen, Path, str]], within_s: float
+) -> tuple[subprocess.Popen, Path, str]:
+    """``start()`` -> (process, log, url) once ``url`` is healthy (``healthy``); a start
+    that ended on Ray's node start-up timeout is made again (``RAY_START_TRIES`` in all).
+    A start that fails otherwise is stopped and its assertion raised."""
+    attempt = 1
+    while True:
+        process, log, url = start()
+        try:
+            healthy(url, process, log, within_s)
+            return process, log, url
+        except AssertionError:
+            if process.poll() is None:
+                interrupt(process)
+            if attempt == RAY_START_TRIES or not ray_start_timed_out(log):
+                raise
+        attempt += 1
 
 
 def healthy(url: str, process: subprocess.Popen, log: Path, within_s: float) -> float:

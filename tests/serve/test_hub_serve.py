@@ -10,6 +10,7 @@ The multi-node case (a rank on a fresh node fetching) is in test_multinode.py.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 import requests
 import yaml
 from images import image_bytes
-from serve_helpers import b64, decode_features, free_port, healthy, interrupt, launch
+from serve_helpers import b64, decode_features, free_port, interrupt, launch, launch_healthy
 
 from benchmarks.loopback_hub import LoopbackHub, write_k3_layout
 from kimi_encoder.encoder import VisionEncoder
@@ -78,9 +79,9 @@ def test_dp2_fetches_once_per_node_and_a_second_start_asks_nothing(hub, tmp_path
     local = VisionEncoder.from_pretrained(hub.root, device="cpu", dtype="float32", backend="cpu")
     want = local.encode([local.plan(x) for x in images])
 
-    process, log, url = serve_run(tmp_path, "first", f"hf://{REPO}@main", hub, home)
+    first = partial(serve_run, tmp_path, "first", f"hf://{REPO}@main", hub, home)
+    process, log, url = launch_healthy(first, STARTUP_TIMEOUT_S)
     try:
-        healthy(url, process, log, STARTUP_TIMEOUT_S)
         body = {"items": [{"type": "image", "image": b64(x)} for x in images]}
         answer = requests.post(f"{url}/v1/encode", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
@@ -101,9 +102,9 @@ def test_dp2_fetches_once_per_node_and_a_second_start_asks_nothing(hub, tmp_path
     assert "read 1.02 MB of 19 MB in 6 shards (2 with vision tensors)" in log.read_text()
 
     before = hub.requests()
-    process, log, url = serve_run(tmp_path, "second", f"hf://{REPO}@{hub.commit}", hub, home)
+    second = partial(serve_run, tmp_path, "second", f"hf://{REPO}@{hub.commit}", hub, home)
+    process, log, url = launch_healthy(second, STARTUP_TIMEOUT_S)
     try:
-        healthy(url, process, log, STARTUP_TIMEOUT_S)
         body = {"items": [{"type": "image", "image": b64(images[0])}]}
         answer = requests.post(f"{url}/v1/encode", json=body, timeout=60)
         assert answer.status_code == 200, answer.text
