@@ -63,6 +63,7 @@ def app(tmp_path_factory) -> Iterator[dict]:
         process, line = start_server(log)
         if line or attempt == RAY_START_TRIES or not ray_start_timed_out(log):
             break
+        stop_server(process)
     try:
         if not line:
             pytest.fail(f"observability app not ready:\n{log.read_text()[-4000:]}")
@@ -73,7 +74,7 @@ def app(tmp_path_factory) -> Iterator[dict]:
 
 def start_server(log: Path) -> tuple[subprocess.Popen, bytes]:
     """observability_server.py on free ports, and its ready line (empty if it ended or
-    took more than READY_TIMEOUT_S; it is stopped then)."""
+    took more than READY_TIMEOUT_S)."""
     with log.open("wb") as err:
         process = subprocess.Popen(
             [sys.executable, str(SERVER), str(free_port()), str(free_port())],
@@ -85,17 +86,13 @@ def start_server(log: Path) -> tuple[subprocess.Popen, bytes]:
             start_new_session=True,
         )
     ready, _, _ = select.select([process.stdout], [], [], READY_TIMEOUT_S)
-    line = process.stdout.readline() if ready else b""
-    if not line:
-        stop_server(process)
-    return process, line
+    return process, process.stdout.readline() if ready else b""
 
 
 def stop_server(process: subprocess.Popen) -> None:
     """Close its stdin (it shuts down), wait up to 60 s, then kill what is left of its
     session (all of it after a hang; a failed start's Ray processes)."""
-    if not process.stdin.closed:
-        process.stdin.close()
+    process.stdin.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=60)
     with contextlib.suppress(ProcessLookupError):
