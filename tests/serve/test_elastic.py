@@ -40,7 +40,7 @@ APP = "elastic"
 CLIENTS = 16
 UP_WITHIN_S = 60.0
 DOWN_WITHIN_S = 120.0
-AFTER_UP_S = 5.0  # load kept on the three ranks before it stops
+AFTER_UP_S = 2.0  # load kept on the three ranks before it stops
 # Several ingress replicas: a load that comes back before the pool shrinks, then goes.
 SCALING = {"upscale_after_s": 1.0, "downscale_after_s": 6.0, "park_after_s": 2.0}
 CYCLES, LOAD_S, IDLE_S, CYCLE_CLIENTS = 3, 6.0, 4.0, 12
