@@ -21,6 +21,7 @@ This module imports only the standard library.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -36,3 +37,12 @@ def pythonpath(*after_root: str) -> str:
     """A ``PYTHONPATH`` for a child process: the checkout's root, ``after_root``, then this
     process's own ``PYTHONPATH``."""
     return os.pathsep.join(filter(None, [str(ROOT), *after_root, os.environ.get("PYTHONPATH")]))
+
+
+def ctrl_c_reaches_it() -> None:
+    """``preexec_fn`` of a child process that is stopped with Ctrl-C (SIGINT), as ``serve
+    run`` is: a shell runs background jobs (``command &`` in a script, a CI step sent to
+    the background) with SIGINT ignored, and a child inherits that, so Python would never
+    raise KeyboardInterrupt in it and the stop would wait out its deadline and kill it.
+    Restore the default disposition."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .checkout import ctrl_c_reaches_it
 from .common import Section, alternate, ratio, spread, table
 from .inputs import mode_mix
 from .page import ROOT, arguments, git, standalone
@@ -111,7 +112,7 @@ class Revision:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            preexec_fn=ctrl_c_reaches_it,
         )
         try:
             encode = Encode(Http(port), "", stream)

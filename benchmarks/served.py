@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from .checkout import ROOT, pythonpath
+from .checkout import ROOT, ctrl_c_reaches_it, pythonpath
 from .serving import QUICK_DRAIN, Done, Http, get_json, in_window, nested_args
 
 BUNDLE = ROOT / ".device-bundle" / "site.tar.xz"
@@ -136,6 +136,7 @@ class ServeRun:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=ctrl_c_reaches_it,
             )
         return self
 

@@ -21,6 +21,7 @@ import ray
 import requests
 import torch
 
+from benchmarks.checkout import ctrl_c_reaches_it
 from deployments.admission import Admission
 from deployments.args import AppArgs, IngressArgs, RankArgs
 from kimi_encoder.config import resolve_configs
@@ -97,13 +98,6 @@ def admission(args: AppArgs) -> Admission:
         args.model_as_run,
         vllm_ec=args.handoff.ec_root is not None,
     )
-
-
-def ctrl_c_reaches_it() -> None:
-    """``preexec_fn`` of a server the test stops with Ctrl-C (SIGINT): a shell runs
-    background jobs with SIGINT ignored, and a child inherits that, so Python would
-    never raise KeyboardInterrupt in it. Restore the default disposition."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -715,3 +716,25 @@ def test_bench_hub_derives_k3_from_its_public_figures_and_measures_both_ways():
     vision_mb = float(cells["range fetch"][1])
     assert float(cells["range fetch"][5]) <= vision_mb + 2 * 1.048576  # + 1 MiB per shard
     assert float(cells["shards"][5]) >= 5 * vision_mb  # two shards, mostly language bytes
+
+
+def test_a_child_of_a_background_job_still_stops_on_ctrl_c():
+    """A shell starts background jobs with SIGINT ignored, and their children inherit it:
+    a ``serve run`` started from one ignored the Ctrl-C that ``ServeRun.stop`` sends and
+    was killed at the deadline (90 s of nothing at the end of every soak run that way).
+    ``ctrl_c_reaches_it`` gives the child Python's KeyboardInterrupt back."""
+    root = Path(__file__).resolve().parents[2]
+    probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    parent = (
+        "import signal, subprocess, sys\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"  # as a shell's background job
+        "from benchmarks.checkout import ctrl_c_reaches_it\n"
+        f"probe = [sys.executable, '-c', {probe!r}]\n"
+        "for fn in (None, ctrl_c_reaches_it):\n"
+        "    print(subprocess.run(probe, preexec_fn=fn, capture_output=True, text=True).stdout)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", parent], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"]  # inherited ignored; then Ctrl-C again
