@@ -6,7 +6,6 @@ import dataclasses
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -31,6 +30,7 @@ from benchmarks import (
     revisions,
     serving,
 )
+from benchmarks.checkout import ROOT
 from deployments.wire import json_body, safetensors_body
 from kimi_encoder.assign import makespan
 
@@ -723,7 +723,6 @@ def test_a_child_of_a_background_job_still_stops_on_ctrl_c():
     a ``serve run`` started from one ignored the Ctrl-C that ``ServeRun.stop`` sends and
     was killed at the deadline (90 s of nothing at the end of every soak run that way).
     ``ctrl_c_reaches_it`` gives the child Python's KeyboardInterrupt back."""
-    root = Path(__file__).resolve().parents[2]
     probe = "import signal; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
     parent = (
         "import signal, subprocess, sys\n"
@@ -734,7 +733,7 @@ def test_a_child_of_a_background_job_still_stops_on_ctrl_c():
         "    print(subprocess.run(probe, preexec_fn=fn, capture_output=True, text=True).stdout)\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", parent], cwd=root, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["False", "True"]  # inherited ignored; then Ctrl-C again
