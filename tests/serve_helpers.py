@@ -261,7 +261,9 @@ def rank_processes(app: str, ranks: int, alive: bool = True) -> dict[int, int]:
 
 class Ramp:
     """Closed-loop clients, each sending requests of ``per_request`` fresh seeded JPEGs of
-    ``side`` x ``side`` until stopped; every answer's status and features are kept."""
+    ``side`` x ``side`` until stopped; every answer's status and features are kept, and
+    each answered image's bytes for the check (making a 448x448 JPEG again costs about
+    as much as encoding it)."""
 
     def __init__(self, url: str, per_request: int = 4, side: int = 448, first_seed: int = 0):
         self.url = url
@@ -270,6 +272,7 @@ class Ramp:
         self.lock = threading.Lock()
         self.statuses: list[int] = []
         self.features: dict[int, np.ndarray] = {}  # image seed -> its features
+        self.sent: dict[int, bytes] = {}  # image seed -> the JPEG sent
 
     def client(self, k: int) -> None:
         from images import image_bytes
@@ -278,28 +281,25 @@ class Ramp:
         while not self.stop.is_set():
             base = self.first_seed + 100_000 * (k + 1) + self.per_request * n
             seeds = [base + j for j in range(self.per_request)]
-            files = [
-                ("image", (f"{s}.jpg", image_bytes("RGB", (self.side,) * 2, s, fmt="JPEG")))
-                for s in seeds
-            ]
+            jpegs = [image_bytes("RGB", (self.side,) * 2, s, fmt="JPEG") for s in seeds]
+            files = [("image", (f"{s}.jpg", jpeg)) for s, jpeg in zip(seeds, jpegs, strict=True)]
             answer = requests.post(f"{self.url}/v1/encode", files=files, timeout=120)
             with self.lock:
                 self.statuses.append(answer.status_code)
                 if answer.status_code == 200:
-                    for seed, item in zip(seeds, answer.json()["items"], strict=True):
+                    items = answer.json()["items"]
+                    for seed, jpeg, item in zip(seeds, jpegs, items, strict=True):
                         self.features[seed] = decode_features(item)
+                        self.sent[seed] = jpeg
             n += 1
 
     def check(self, reference) -> None:
         """Every answer 200, every image's features the in-process encoder's (1e-5)."""
-        from images import image_bytes
-
         counts = {s: self.statuses.count(s) for s in set(self.statuses)}
         assert set(self.statuses) == {200}, counts
         with one_thread():
             for seed, got in self.features.items():
-                item = reference.plan(image_bytes("RGB", (self.side,) * 2, seed, fmt="JPEG"))
-                (want,) = reference.encode([item])
+                (want,) = reference.encode([reference.plan(self.sent[seed])])
                 np.testing.assert_allclose(got, want.numpy(), rtol=0, atol=1e-5, err_msg=str(seed))
 
 
