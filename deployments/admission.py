@@ -68,6 +68,16 @@ class BodyTimeoutError(EncoderInputError):
     """The request body came too slowly (HTTP 408)."""
 
 
+class BodyLostError(RuntimeError):
+    """A declared body that did not reach this replica whole, which says nothing about the
+    client (HTTP 503): not one byte of it by the deadline, or it ended short of its
+    Content-Length. Serve's proxy hands a body to a replica once: when the replica that
+    read it dies before it has taken the request, the proxy gives the request to another
+    replica without it. A proxy saturated by answers holds bodies back too."""
+
+    retry_after_s = 1
+
+
 class IngressBusyError(RuntimeError):
     """This ingress replica reads as many bodies as it may at once (HTTP 503)."""
 
@@ -133,16 +143,17 @@ class Admission:
 
     async def admit(self, request: Request) -> Admitted:
         """A ``POST /v1/encode`` body: JSON (``EncodeRequest``) or multipart ``image`` files."""
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit():
-            self.check_body_size(int(length))
+        length = declared_length(request)
+        if length is not None:
+            self.check_body_size(length)
         kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if kind not in ("application/json", "", "multipart/form-data"):
             raise UnsupportedMediaTypeError(kind)
         # Read (at most max_request_bytes, at the body pace) first, then parse from memory:
         # a chunked upload without a Content-Length can neither fill the memory nor the
         # temp-file disk, and a trickling one cannot hold its slot for long.
-        body = await read_body(request.stream(), self.limits.max_request_bytes, self.pace)
+        limit = self.limits.max_request_bytes
+        body = await read_body(request.stream(), limit, self.pace, length)
         if kind == "multipart/form-data":
             return await self._admit_form(Request(request.scope, replay(body)))
         return self.admit_json(EncodeRequest.model_validate(parse_json(body)))
@@ -368,11 +379,22 @@ def _decode_pixel_values(entry: ImageItem, patch: int, index: int) -> torch.Tens
     return torch.from_numpy(array.astype(np.float32))  # writable, native-endian copy
 
 
+def declared_length(request: Request) -> int | None:
+    """The request's Content-Length, None without one (a chunked upload) or if malformed."""
+    length = request.headers.get("content-length")
+    return int(length) if length is not None and length.isdigit() else None
+
+
 async def read_body(
-    chunks: AsyncIterator[bytes], limit: int, pace: BodyPace | None = None
+    chunks: AsyncIterator[bytes],
+    limit: int,
+    pace: BodyPace | None = None,
+    declared: int | None = None,
 ) -> bytes:
     """The whole request body, refused (413) as soon as it passes ``limit`` bytes, and
-    (408) as soon as it falls behind ``pace``.
+    (408) as soon as it falls behind ``pace``. A body of ``declared`` bytes (its
+    Content-Length) of which not one byte has come by the deadline, or that ends short,
+    was held up or lost between the client and this replica (``BodyLostError``, 503).
 
     Covers bodies without a Content-Length (chunked uploads): the ingress never
     buffers more than ``limit`` bytes of one request.
@@ -389,6 +411,13 @@ async def read_body(
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
+            if size == 0 and declared:
+                raise BodyLostError(
+                    f"not one byte of the request's {declared}-byte body reached this ingress "
+                    f"replica within {time.monotonic() - started:.1f} s: it was held up on its "
+                    "way (a saturated proxy) or lost there (an ingress replica that failed "
+                    "before it took the request). Send it again."
+                ) from None
             raise BodyTimeoutError(
                 f"request body too slow: {size} bytes in {time.monotonic() - started:.1f} s; "
                 f"a body must arrive within {pace.timeout_s:g} s and, after "
@@ -402,6 +431,12 @@ async def read_body(
                 "when it was refused); send fewer or smaller images per request."
             )
         parts.append(chunk)
+    if declared is not None and size < declared:
+        raise BodyLostError(
+            f"the request body ended after {size} of its {declared} bytes (Content-Length): "
+            "the rest was lost on its way (an ingress replica that failed before it took the "
+            "request) or the client went away. Send it again."
+        )
     return b"".join(parts)
 
 

@@ -23,6 +23,7 @@ from kimi_encoder.engines.transport import PushError
 from kimi_encoder.items import EncoderInputError, LimitExceededError, UnsupportedFormatError
 
 from .admission import (
+    BodyLostError,
     BodyTimeoutError,
     IngressBusyError,
     MalformedBodyError,
@@ -47,6 +48,7 @@ ERRORS: dict[type[BaseException], tuple[int, str]] = {
     ValidationError: (422, "validation_error"),
     PushError: (502, "bad_gateway"),
     NoRankAvailableError: (503, "unavailable"),
+    BodyLostError: (503, "unavailable"),
     EcPushError: (503, "unavailable"),
     IngressBusyError: (503, "unavailable"),
     RegistryFull: (503, "unavailable"),

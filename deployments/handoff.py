@@ -64,7 +64,7 @@ from kimi_encoder.engines.vllm import EC_FILENAME, VLLM_VERSION
 from kimi_encoder.items import EncoderInputError
 
 from . import errors, vllm_push
-from .admission import Admission, Admitted, read_body
+from .admission import Admission, Admitted, declared_length, read_body
 from .args import HandoffArgs
 from .engine_gate import EngineGate
 from .fanout import (
@@ -193,7 +193,8 @@ class Handoff:
         try:
             self.api_key.check(request)
             limit = self.admission.limits.max_request_bytes
-            body = _json(await read_body(request.stream(), limit), "/encode")
+            body = await read_body(request.stream(), limit, declared=declared_length(request))
+            body = _json(body, "/encode")
         except Exception as exc:  # answered as the part's failure
             raise errors.PartFailedError(None, exc) from exc
         try:
@@ -216,7 +217,9 @@ class Handoff:
         """``POST /scheduler_receive_url``: one scheduler rank's address for one part,
         registered as the IP it resolved to once it is checked (refused: 400)."""
         self.api_key.check(request)
-        body = await read_body(request.stream(), REGISTRATION_BYTES)
+        body = await read_body(
+            request.stream(), REGISTRATION_BYTES, declared=declared_length(request)
+        )
         req = ReceiveUrlRequest.from_json(_json(body, "/scheduler_receive_url"))
         checked = await self.receive_policy.check_async(req.receive_url)
         await self.registry.register(dataclasses.replace(req, receive_url=checked.host_port))

@@ -22,8 +22,14 @@ from pydantic import ValidationError
 from serve_helpers import admission
 from starlette.requests import Request
 
-from deployments.admission import FormError, read_body, replay
-from deployments.args import AppArgs
+from deployments.admission import (
+    BodyLostError,
+    BodyTimeoutError,
+    FormError,
+    read_body,
+    replay,
+)
+from deployments.args import AppArgs, BodyPace
 from deployments.schemas import EncodeRequest
 from deployments.security import ENV_VAR, ApiKey
 from kimi_encoder import preprocess
@@ -333,6 +339,37 @@ def test_read_body_stops_at_the_limit():
     assert asyncio.run(read_body(_chunks([3, 4]), 7)) == b"x" * 7
     with pytest.raises(LimitExceededError, match=r"max_request_bytes=7 .*8 bytes received"):
         asyncio.run(read_body(_chunks([3, 5, 10**6]), 7))
+
+
+async def _then_nothing(sizes):
+    """``sizes`` chunks, then a stream that never sends again (nor ends)."""
+    async for part in _chunks(sizes):
+        yield part
+    await asyncio.Event().wait()
+
+
+# A body refused 50 ms after it began (grace_s), at any pace after that.
+SHORT_PACE = BodyPace(grace_s=0.05, timeout_s=0.05)
+
+
+def test_a_declared_body_of_which_nothing_came_was_lost_not_slow():
+    """Not one byte of a body with a Content-Length by the deadline: held up or lost
+    between the client and the replica (Serve's proxy gives a body to one replica only),
+    503 to send again; a body that stalled after its first bytes is the client's (408),
+    and so is one without a Content-Length."""
+    with pytest.raises(BodyLostError, match=r"not one byte of the request's 1000-byte body"):
+        asyncio.run(read_body(_then_nothing([]), 10**6, SHORT_PACE, declared=1000))
+    with pytest.raises(BodyTimeoutError, match=r"request body too slow: 3 bytes in"):
+        asyncio.run(read_body(_then_nothing([3]), 10**6, SHORT_PACE, declared=1000))
+    with pytest.raises(BodyTimeoutError, match=r"request body too slow: 0 bytes in"):
+        asyncio.run(read_body(_then_nothing([]), 10**6, SHORT_PACE))
+
+
+def test_a_body_that_ends_short_of_its_content_length_was_lost():
+    with pytest.raises(BodyLostError, match=r"ended after 7 of its 12 bytes \(Content-Length\)"):
+        asyncio.run(read_body(_chunks([3, 4]), 100, declared=12))
+    assert asyncio.run(read_body(_chunks([3, 4]), 100, declared=7)) == b"x" * 7
+    assert asyncio.run(read_body(_chunks([]), 100, declared=0)) == b""
 
 
 def test_api_key_from_env_or_file(tmp_path):

@@ -24,6 +24,7 @@ from ray import serve
 from serve_helpers import app_args, b64, free_port, read_part
 
 from deployments.admission import (
+    BodyLostError,
     BodyTimeoutError,
     IngressBusyError,
     MalformedBodyError,
@@ -90,15 +91,16 @@ def one_image(url: str) -> requests.Response:
     return post(url, json={"items": [{"type": "image", "image": b64(IMAGE)}]})
 
 
-def stalled_body(url: str) -> socket.socket:
-    """A POST whose body stops after a few bytes: it holds its body slot until refused."""
+def stalled_body(url: str, first: bytes = b'{"items"') -> socket.socket:
+    """A POST whose body stops after its ``first`` bytes: it holds its body slot until
+    refused."""
     host, port = url.split("//")[1].split("/")[0].split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
     head = (
         f"POST /{APP}/v1/encode HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
         f"Authorization: Bearer {KEY}\r\nContent-Length: 1000\r\n\r\n"
     )
-    sock.sendall(head.encode() + b'{"items"')
+    sock.sendall(head.encode() + first)
     return sock
 
 
@@ -121,6 +123,13 @@ def http_answer(sock: socket.socket) -> requests.Response:
 
 def too_slow(url: str, board) -> requests.Response:
     with stalled_body(url) as sock:
+        return http_answer(sock)
+
+
+def body_never_came(url: str, board) -> requests.Response:
+    """A POST that declares a body and sends none of it: as the ingress sees a body that
+    Serve's proxy gave to a replica that died before it took the request."""
+    with stalled_body(url, first=b"") as sock:
         return http_answer(sock)
 
 
@@ -263,6 +272,7 @@ CASES = {
     ),
     MalformedBodyError: lambda url, board: post(url, files={"picture": ("a.png", IMAGE)}),
     BodyTimeoutError: too_slow,
+    BodyLostError: body_never_came,
     IngressBusyError: while_a_body_stalls,
     ValidationError: lambda url, board: post(url, json={"items": [], "stream": True}),
     NoRankAvailableError: past_the_queue,
